@@ -1,0 +1,1 @@
+"""flotilla.cluster: see docs/structure.md for this package's contract."""

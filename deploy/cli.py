@@ -1,0 +1,44 @@
+"""The ``flotilla`` command.
+
+Subcommands import what they need lazily: ``flotilla resolve`` touches only
+``flotilla.resolution`` (no torch, no ray) and answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+USAGE = """usage: flotilla <command> [options]
+
+commands:
+  resolve   resolve the server configuration for a model and platform, and print it
+  serve     start the OpenAI-compatible endpoint on a Ray cluster
+
+run `flotilla <command> --help` for a command's options.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "resolve":
+        from flotilla.deploy.resolve_cmd import run_resolve
+
+        return run_resolve(rest)
+    if command == "serve":
+        print(
+            "flotilla serve: the serving endpoint is not built yet (it arrives with the "
+            "serving issue); `flotilla resolve` shows the configuration it will run.",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"flotilla: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""flotilla.kernels: see docs/structure.md for this package's contract."""

@@ -1,0 +1,3 @@
+"""Rules of the validate phase, in the order they run (see STEPS)."""
+
+STEPS: list = []

@@ -1,0 +1,1 @@
+"""flotilla.serve: see docs/structure.md for this package's contract."""

@@ -1,0 +1,8 @@
+"""Test-session settings shared by every tier."""
+
+import os
+
+# Keep everything on loopback (see docs/structure.md and the notes on Ray).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
