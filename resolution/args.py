@@ -96,12 +96,14 @@ def add_server_flags(parser: argparse.ArgumentParser, fields: Iterable[FieldSpec
                 group.add_argument(*flags, **kwargs)
         for dep in spec.deprecated:
             if dep.takes_value:
+                extra = {"nargs": spec.nargs} if spec.nargs else {}
                 group.add_argument(
                     dep.flag,
                     dest=spec.name,
                     default=argparse.SUPPRESS,
                     type=_CONVERTERS.get(spec.kind, _parse_str),
                     help=f"deprecated: use {spec.flag}",
+                    **extra,
                 )
             else:
                 group.add_argument(
