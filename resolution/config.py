@@ -40,7 +40,10 @@ class ResolvedConfig:
 
     @classmethod
     def build(cls, values: Mapping[str, Any], env: Mapping[str, str], provenance) -> "ResolvedConfig":
-        return cls(freeze(dict(values)), FrozenDict(dict(env)), tuple(provenance))
+        changes = tuple(
+            Change(c.field, freeze(c.old), freeze(c.new), c.rule, c.reason, c.overrode_user) for c in provenance
+        )
+        return cls(freeze(dict(values)), FrozenDict(dict(env)), changes)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``flotilla resolve --format json`` object: config, env, provenance."""

@@ -140,7 +140,7 @@ FIELDS = (
         'str',
         None,
         "Collective communication backend for elastic expert parallelism",
-        choices=('none', 'mooncake', 'nixl'),
+        choices=('none', 'mooncake', 'nixl', 'ray'),
     ),
     F(
         'enable_elastic_expert_backup',
