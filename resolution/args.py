@@ -96,7 +96,9 @@ def add_server_flags(parser: argparse.ArgumentParser, fields: Iterable[FieldSpec
                 group.add_argument(*flags, **kwargs)
         for dep in spec.deprecated:
             if dep.takes_value:
-                extra = {"nargs": spec.nargs} if spec.nargs else {}
+                extra: dict[str, Any] = {"nargs": spec.nargs} if spec.nargs else {}
+                if dep.check_choices and spec.choices is not None:
+                    extra["choices"] = spec.choices
                 group.add_argument(
                     dep.flag,
                     dest=spec.name,

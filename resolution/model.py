@@ -91,6 +91,9 @@ class ModelFacts:
             (``get_context_length``; ``--context-length`` overrides it).
         uses_mamba_radix_cache: a hybrid linear-attention model whose prefix
             caching runs through the mamba radix cache.
+        hf_raw_dict: config.json exactly as given (frozen), the base that
+            :meth:`with_overrides` re-derives from; ``None`` for facts built
+            directly rather than by :meth:`from_hf_config`.
     """
 
     hf: FrozenDict
@@ -129,6 +132,7 @@ class ModelFacts:
     auto_enable_embedding: bool = False
     context_len: int | None = None
     uses_mamba_radix_cache: bool = False
+    hf_raw_dict: FrozenDict | None = None
 
     @property
     def architecture(self) -> str:
@@ -169,6 +173,20 @@ class ModelFacts:
         from flotilla.resolution.model_derive import derive
 
         return cls(**derive(hf_config))
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "ModelFacts":
+        """These facts re-derived with ``--json-model-override-args`` applied.
+
+        SGLang applies the overrides to the config right after loading it, so
+        every derived fact sees them (see :func:`~flotilla.resolution.model_derive.apply_overrides`).
+        Returns ``self`` when there is nothing to apply or no raw config to apply it to.
+        """
+        if not overrides or self.hf_raw_dict is None:
+            return self
+        from flotilla.resolution.frozen import thaw
+        from flotilla.resolution.model_derive import apply_overrides
+
+        return type(self).from_hf_config(apply_overrides(thaw(self.hf_raw_dict), overrides))
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelFacts":

@@ -338,7 +338,35 @@ def derive(cfg: Mapping[str, Any]) -> dict[str, Any]:
         **attention_shapes(loaded, text),
         **multimodal_facts(loaded, text),
         **embedding_facts(loaded, text),
+        hf_raw_dict=freeze(dict(cfg)),
     )
+
+
+# Dict-valued config keys transformers keeps as plain dicts (an override
+# replaces them); any other ``*_config`` dict is a sub-config object.
+_PLAIN_DICT_CONFIGS = frozenset({"quantization_config", "compression_config"})
+
+
+def apply_overrides(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``--json-model-override-args`` applied as SGLang's loader does.
+
+    Each key replaces the config's value, except that a dict given for a
+    sub-config (``text_config``, ``vision_config``, ...) updates that
+    sub-config's keys instead of replacing it.
+    """
+    merged = dict(cfg)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        if (
+            isinstance(value, Mapping)
+            and isinstance(current, Mapping)
+            and key.endswith("_config")
+            and key not in _PLAIN_DICT_CONFIGS
+        ):
+            merged[key] = {**current, **value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def check_context_length(derived: int | None, requested: int | None, *, allow_longer: bool = False) -> None:

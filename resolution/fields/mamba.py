@@ -46,7 +46,7 @@ FIELDS = (
         "Buffering strategy used by the Mamba radix cache",
         choices=('auto', 'no_buffer', 'extra_buffer', 'extra_buffer_lazy'),
         resolvable=True,
-        deprecated=(Deprecated('--mamba-scheduler-strategy'),),
+        deprecated=(Deprecated('--mamba-scheduler-strategy', check_choices=False),),
     ),
     F(
         'uses_mamba_radix_cache',

@@ -27,11 +27,14 @@ class Deprecated:
 
     ``const`` is the value stored for a flag that takes no argument
     (``store_true``-like), or ``None`` when the flag takes a value.
+    ``check_choices``: a value-taking flag accepts only the field's choices
+    (false where SGLang's deprecated spelling declares none).
     """
 
     flag: str
     const: Any = None
     takes_value: bool = True
+    check_choices: bool = True
 
 
 @dataclass(frozen=True)

@@ -72,14 +72,19 @@ def default_attention_backend(view: Any, model: Any, platform: Any) -> str:
     return "triton"
 
 
-_TRUE_ENV = ("1", "true", "yes", "on")
+_TRUE_ENV = frozenset({"1", "true", "yes", "y", "on"})
 
 
-def env_flag(view: Any, name: str) -> bool:
-    """Whether an earlier rule declared boolean environment variable ``name`` true.
+def env_flag(view: Any, name: str, default: bool = False) -> bool:
+    """``envs.NAME.get()`` for boolean environment variable ``name``: whether an
+    earlier rule declared it true, else ``default``.
 
-    Resolution assumes a clean environment, so an undeclared variable is false
-    (SGLang's ``EnvBool`` default for every flag the rules read).
+    Resolution assumes a clean environment, so an undeclared variable reads as
+    SGLang's ``EnvBool`` default (false for every flag the rules read).
+    Works on a :class:`~flotilla.resolution.engine.View` and on a
+    :class:`~flotilla.resolution.rules.live.Live` overlay alike.
     """
     value = view.env(name)
-    return value is not None and str(value).strip().lower() in _TRUE_ENV
+    if value is None:
+        return default
+    return str(value).strip().lower() in _TRUE_ENV

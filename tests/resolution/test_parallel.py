@@ -153,7 +153,7 @@ def test_cp_v2_is_left_alone_when_already_declared():
 
 
 def test_mimo_v2_cp_v2_only_runs_zigzag_on_text():
-    mimo = ModelFacts(hf=freeze({}), architectures=("MiMoV2FlashForCausalLM",), is_multimodal=True)
+    mimo = ModelFacts(hf=freeze({}), architectures=("MiMoV2FlashForCausalLM",), multimodal_capable=True, is_multimodal=True)
     rule = context_parallel.handle_context_parallelism
     with pytest.raises(Exception, match="MiMo V2 CP-v2 only supports --cp-strategy zigzag."):
         rule.fn(view_of(tp_size=2, enable_prefill_cp=True, cp_strategy="interleave"), mimo, preset("h100"))

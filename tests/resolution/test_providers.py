@@ -18,7 +18,6 @@ from flotilla.resolution.errors import ResolutionError, Violation
 from flotilla.resolution.fields import DEFAULTS, RESOLVABLE
 from flotilla.resolution.model import ModelFacts
 from flotilla.resolution.platform import PRESETS, PlatformFacts, apply_flips, preset
-from flotilla.resolution.rules import overrides as model_phase
 from flotilla.resolution.rules.common import default_attention_backend
 from flotilla.resolution.rules.overrides.providers import (
     exaone,
@@ -42,7 +41,7 @@ from flotilla.resolution.rules.overrides.providers import (
     qwen3_vl,
     step3p,
 )
-from flotilla.resolution.rules.overrides.registry import MODEL_PROVIDERS, providers_for
+from flotilla.resolution.rules.overrides.registry import providers_for
 
 # -- helpers -------------------------------------------------------------------------
 
@@ -741,10 +740,8 @@ def test_default_attention_backend_mla_rocm_head_counts():
         assert default_attention_backend(view(), model, preset("mi355x")) == backend
 
 
-# -- full resolve (runs once the model phase includes MODEL_PROVIDERS) ------------------------------
+# -- full resolve through the model phase ------------------------------
 
-WIRED = any(step is MODEL_PROVIDERS for step in model_phase.STEPS)
-needs_wiring = pytest.mark.skipif(not WIRED, reason="model phase does not run MODEL_PROVIDERS yet")
 
 RESOLVE_CASES = [
     (
@@ -862,7 +859,6 @@ RESOLVE_CASES = [
 ]
 
 
-@needs_wiring
 @pytest.mark.parametrize("case", RESOLVE_CASES, ids=[c[0] for c in RESOLVE_CASES])
 def test_full_resolve(case):
     _name, platform, flips, config, argv, expected = case
@@ -873,7 +869,6 @@ def test_full_resolve(case):
     assert got == expected
 
 
-@needs_wiring
 def test_full_resolve_inkling_sets_unified_radix_env():
     resolved = resolve(ServerArgs.from_cli(["--tp", "2"]), ModelFacts.from_hf_config(INKLING), preset("b200"))
     assert resolved.config["attention_backend"] == "fa4"
@@ -881,7 +876,6 @@ def test_full_resolve_inkling_sets_unified_radix_env():
     assert str(resolved.env["SGLANG_ENABLE_UNIFIED_RADIX_TREE"]).lower() in ("true", "1")
 
 
-@needs_wiring
 def test_full_resolve_minicpm_dp_attention_rejected():
     with pytest.raises(ResolutionError, match="MiniCPM does not support DP attention"):
         resolve(

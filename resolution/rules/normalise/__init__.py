@@ -19,6 +19,7 @@ from flotilla.resolution.rules.normalise import (
     serving_modes,
 )
 from flotilla.resolution.rules.normalise.legacy import handle_legacy_cp_arguments
+from flotilla.resolution.rules.normalise.model_config import verify_model_config
 from flotilla.resolution.rules.normalise.parallel_early import handle_dcp_validation, handle_dwdp
 from flotilla.resolution.rules.normalise.validations import (
     handle_asr_validation,
@@ -39,6 +40,9 @@ STEPS: list = [
     handle_legacy_cp_arguments,
     validate_prefill_only_disable_kv_cache_args,
     handle_dcp_validation,
+    # NOTE: SGLang first builds its ModelConfig (context/quantization checks)
+    # in the Inkling prefill-graph default, the first rule of this group.
+    verify_model_config,
     *graph_rules.STEPS_BEFORE_DWDP,
     # NOTE: DWDP declares disable_cuda_graph, so it precedes the graph config build.
     handle_dwdp,

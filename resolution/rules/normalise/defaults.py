@@ -10,7 +10,7 @@ not ported: ModelScope path resolution (SGLANG_USE_MODELSCOPE; downloads).
 from __future__ import annotations
 
 from flotilla.resolution.engine import reject, rule
-from flotilla.resolution.rules.normalise.live import Live
+from flotilla.resolution.rules.live import Live
 
 _DEPRECATED_TOOL_CALL_PARSERS = {"qwen25": "qwen", "glm45": "glm"}
 _ATTENTION_BACKEND_FIELDS = (

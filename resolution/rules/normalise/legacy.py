@@ -14,7 +14,7 @@ the attention backend is final (the DSA aliases depend on it).
 from __future__ import annotations
 
 from flotilla.resolution.engine import rule
-from flotilla.resolution.rules.normalise.live import Live
+from flotilla.resolution.rules.live import Live
 
 _LEGACY_MODE_TO_STRATEGY = {
     "in-seq-split": "zigzag",

@@ -32,7 +32,7 @@ from flotilla.resolution.rules.normalise.cuda_graph import (
     is_locked,
     prefill_batch_sizes,
 )
-from flotilla.resolution.rules.normalise.live import Live
+from flotilla.resolution.rules.live import Live
 
 _PP_PREFILL_GRAPH_MAX_TOKENS = 8192
 _MEMORY_DEVICES = ("hpu", "npu", "cpu", "xpu", "musa")

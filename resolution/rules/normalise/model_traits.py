@@ -9,13 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Multimodal architectures SGLang serves text-only unless --enable-multimodal.
-MULTIMODAL_OFF_BY_DEFAULT = (
-    "Gemma3ForConditionalGeneration",
-    "Llama4ForConditionalGeneration",
-    "Step3VLForConditionalGeneration",
-    "InklingForConditionalGeneration",
-)
+from flotilla.resolution import model_derive
 
 PIECEWISE_DISABLED_ARCHS = (
     "DeepseekV4ForCausalLM",
@@ -60,18 +54,9 @@ def multimodal_enabled(view: Any) -> bool | None:
 
 
 def is_multimodal(view: Any, model: Any) -> bool:
-    """SGLang's ``ModelConfig.is_multimodal`` under the current flags.
-
-    NOTE: with an explicit ``--enable-multimodal`` on an architecture that is
-    text-only by default, the architecture list decides (approximation of the
-    sub-config test SGLang also applies).
-    """
-    enabled = multimodal_enabled(view)
-    if enabled is False:
-        return False
-    if enabled and model.architecture in MULTIMODAL_OFF_BY_DEFAULT:
-        return True
-    return bool(model.is_multimodal)
+    """SGLang's ``ModelConfig.is_multimodal`` under the current
+    ``--enable-multimodal`` and ``--model-impl``."""
+    return model_derive.is_multimodal(model, view.enable_multimodal, view.model_impl)
 
 
 def _mm_allowed(view: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 from flotilla.resolution.engine import Env, ensure, reject, rule
 from flotilla.resolution.rules.normalise.cuda_graph import DISABLED
-from flotilla.resolution.rules.normalise.live import Live
+from flotilla.resolution.rules.live import Live
 
 _DEEPSEEK_V4_MODEL_TYPE = "deepseek_v4"
 _KIMI_K3_MODEL_TYPE = "kimi_linear"

@@ -7,7 +7,8 @@ not ported: the informational logs of both switches.
 from __future__ import annotations
 
 from flotilla.resolution.engine import rule
-from flotilla.resolution.rules.overrides.support import env_flag, env_is_set
+from flotilla.resolution.rules.common import env_flag
+from flotilla.resolution.rules.overrides.support import env_is_set
 
 # Architectures whose model code implements FlashInfer all-reduce fusion.
 ALLREDUCE_FUSION_ARCHS = frozenset(

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from flotilla.resolution.engine import ensure, reject, rule
 from flotilla.resolution.rules.common import attention_backends
-from flotilla.resolution.rules.overrides.support import device_of, env_flag
+from flotilla.resolution.rules.common import env_flag
+from flotilla.resolution.rules.overrides.support import device_of
 
 _GPT_OSS_BACKENDS = ["triton", "trtllm_mha", "fa3", "fa4", "ascend", "intel_amx", "intel_xpu", "aiter"]
 _LLAMA4_ARCHS = ("Llama4ForConditionalGeneration", "Llama4ForCausalLM")

@@ -10,9 +10,9 @@ not ported: the "set --kv-cache-dtype explicitly" warnings (logging only).
 from __future__ import annotations
 
 from flotilla.resolution.engine import ensure, reject, rule
+from flotilla.resolution.rules.common import env_flag
 from flotilla.resolution.rules.overrides.support import (
     DEEPSEEK_BRANCH_ARCHS,
-    env_flag,
     hf_quant_config,
     hf_quant_method,
     is_deepseek_dsa,

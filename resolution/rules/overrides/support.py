@@ -53,21 +53,12 @@ _DSA_ARCHS = frozenset(
     }
 )
 
-_TRUE = frozenset({"1", "true", "yes", "y", "on"})
 
 
 def is_deepseek_dsa(model: Any) -> bool:
     """DeepSeek sparse attention (V3.2, GLM-5.x, ...): a DSA-capable architecture
     whose config carries an ``index_topk`` (SGLang's ``is_deepseek_dsa``)."""
     return model.architecture in _DSA_ARCHS and model.get("index_topk") is not None
-
-
-def env_flag(view: Any, name: str, default: bool = False) -> bool:
-    """``envs.NAME.get()`` for a boolean variable (its default when undeclared)."""
-    value = view.env(name)
-    if value is None:
-        return default
-    return str(value).strip().lower() in _TRUE
 
 
 def env_is_set(view: Any, name: str) -> bool:

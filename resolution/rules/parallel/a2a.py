@@ -11,7 +11,8 @@ from __future__ import annotations
 from flotilla.resolution.engine import ensure, reject, rule
 from flotilla.resolution.rules.parallel import graphs
 from flotilla.resolution.rules.parallel.context_parallel import is_instance_connector
-from flotilla.resolution.rules.parallel.live import Live, env_flag
+from flotilla.resolution.rules.common import env_flag
+from flotilla.resolution.rules.live import Live
 
 # Backends whose expert parallelism spans the whole TP group.
 EP_SPANNING_BACKENDS = frozenset(
@@ -145,11 +146,9 @@ def _flashinfer(live: Live, model) -> None:
         live.enable_dp_attention and live.dp_size == live.tp_size,
         "Flashinfer MoE A2A is only supported with dp_size == tp_size and --enable-dp-attention",
     )
-    w4a16 = live.moe_runner_backend == "flashinfer_cutedsl" and env_flag(
-        live.env("SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16")
-    )
+    w4a16 = live.moe_runner_backend == "flashinfer_cutedsl" and env_flag(live, "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16")
     if w4a16:
-        if env_flag(live.env(NVFP4_DISPATCH_ENV)):
+        if env_flag(live, NVFP4_DISPATCH_ENV):
             reject(
                 "CuTe DSL NVFP4 W4A16 requires BF16 FlashInfer MoE "
                 "dispatch; unset SGLANG_MOE_NVFP4_DISPATCH."

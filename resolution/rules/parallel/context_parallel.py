@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 
+from flotilla.resolution import model_derive
 from flotilla.resolution.engine import ensure, reject, rule
-from flotilla.resolution.rules.parallel.live import Live, env_flag
+from flotilla.resolution.rules.common import env_flag
+from flotilla.resolution.rules.live import Live
 
 # Architectures whose prefill CP runs the v2 code path by default
 # (SGLang's ``CP_V2_DEFAULT_MODEL_CLASSES``).
@@ -46,10 +48,11 @@ def _cp_v2_checks(live: Live, model) -> None:
         wants_v2 = not model.is_dsa or (live.enable_prefill_cp and live.cp_strategy == "interleave")
         if wants_v2 and live.env(CP_V2_ENV) is None:
             live.set_env(CP_V2_ENV, "True")
-    if live.enable_prefill_cp and arch in MIMO_V2_ARCHITECTURES and env_flag(live.env(CP_V2_ENV)):
+    if live.enable_prefill_cp and arch in MIMO_V2_ARCHITECTURES and env_flag(live, CP_V2_ENV):
         if live.cp_strategy != "zigzag":
             reject("MiMo V2 CP-v2 only supports --cp-strategy zigzag.")
-        if model.is_multimodal and not live.language_only and not live.language_model_only:
+        multimodal = model_derive.is_multimodal(model, live.enable_multimodal, live.model_impl)
+        if multimodal and not live.language_only and not live.language_model_only:
             reject("MiMo V2 CP-v2 only supports text inference; add --language-only.")
 
 

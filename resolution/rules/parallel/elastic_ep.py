@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from flotilla.resolution.engine import ensure, reject, rule
 from flotilla.resolution.rules.parallel import graphs
-from flotilla.resolution.rules.parallel.live import Live
+from flotilla.resolution.rules.live import Live
 
 ELASTIC_EPLB_ALGORITHMS = ("elasticity_aware", "elasticity_aware_hierarchical")
 # flotilla's Ray backend grows EP through its own communicator, so either

@@ -6,7 +6,7 @@ distribution recorder (SGLang's ``handle_eplb_and_dispatch`` and
 from __future__ import annotations
 
 from flotilla.resolution.engine import ensure, reject, rule
-from flotilla.resolution.rules.parallel.live import Live
+from flotilla.resolution.rules.live import Live
 
 RETIRED_BALANCEDNESS_ENV = "SGLANG_ENABLE_EPLB_BALANCEDNESS_METRIC"
 

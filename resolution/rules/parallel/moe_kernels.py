@@ -9,7 +9,7 @@ about; resolution assumes a clean environment, where it has no effect).
 from __future__ import annotations
 
 from flotilla.resolution.engine import ensure, reject, rule
-from flotilla.resolution.rules.parallel.live import env_flag
+from flotilla.resolution.rules.common import env_flag
 
 NVFP4_ONLINE_RUNNERS = ("flashinfer_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutedsl")
 MXFP8_RUNNERS = ("cutlass", "deep_gemm", "flashinfer_trtllm", "flashinfer_trtllm_routed")
@@ -91,7 +91,7 @@ def _runner_quant_checks(view, model) -> None:
             "flashinfer_cutedsl supports moe_a2a_backend='none', 'deepep', or 'flashinfer', "
             f"got '{view.moe_a2a_backend}'.",
         )
-        per_token = env_flag(view.env("SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION"))
+        per_token = env_flag(view, "SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION")
         if view.moe_a2a_backend == "deepep" and (quantization == "nvfp4_online" or per_token):
             reject(
                 "flashinfer_cutedsl per-token NVFP4 activation requires "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flotilla.resolution.engine import ensure, reject, rule
 from flotilla.resolution.rules.common import attention_backends
-from flotilla.resolution.rules.parallel.live import Live
+from flotilla.resolution.rules.live import Live
 
 DEFAULT_SPEC_MAX_RUNNING_REQUESTS = 48
 MIXED_CHUNK_ALGORITHMS = ("EAGLE", "EAGLE3", "DFLASH", "DSPARK")

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from flotilla.resolution.engine import reject, rule
 from flotilla.resolution.rules.common import attention_backends
-from flotilla.resolution.rules.parallel.live import Live
+from flotilla.resolution.rules.live import Live
 from flotilla.resolution.rules.parallel.speculative_algos import (
     default_max_running_requests,
     device_of,

@@ -8,7 +8,8 @@ so SGLang's default, MXFP4 experts, holds).
 from __future__ import annotations
 
 from flotilla.resolution.rules.overrides.registry import provider
-from flotilla.resolution.rules.overrides.support import device_of, env_flag
+from flotilla.resolution.rules.common import env_flag
+from flotilla.resolution.rules.overrides.support import device_of
 
 
 def dsv4_fp4_experts(model) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flotilla.resolution.engine import reject
 from flotilla.resolution.rules.common import attention_backend_not_set
-from flotilla.resolution.rules.overrides.support import env_flag
+from flotilla.resolution.rules.common import env_flag
 from flotilla.resolution.rules.overrides.registry import provider
 
 # NVIDIA drivers from this release make the triton_kernels MoE path segfault on Blackwell.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flotilla.resolution.engine import reject
 from flotilla.resolution.rules.common import attention_backend_not_set
-from flotilla.resolution.rules.overrides.support import env_flag
+from flotilla.resolution.rules.common import env_flag
 from flotilla.resolution.rules.overrides.registry import provider
 
 # Mixer-type spellings SGLang's MiniCPMHybridConfig accepts, mapped to its names.

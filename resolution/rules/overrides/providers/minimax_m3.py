@@ -8,11 +8,10 @@ not ported: the fp8 attention-GEMM status logging (no field changes).
 from __future__ import annotations
 
 from flotilla.resolution.engine import Env
-from flotilla.resolution.rules.common import attention_backend_not_set
+from flotilla.resolution.rules.common import attention_backend_not_set, env_flag
 from flotilla.resolution.rules.overrides.registry import provider
 from flotilla.resolution.rules.overrides.support import (
     hf_quant_method,
-    env_flag,
     env_is_set,
     quantization_explicitly_unset,
 )

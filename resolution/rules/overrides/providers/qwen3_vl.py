@@ -5,7 +5,7 @@ not ported: the info log line (logging only).
 
 from __future__ import annotations
 
-from flotilla.resolution.rules.overrides.support import env_flag
+from flotilla.resolution.rules.common import env_flag
 from flotilla.resolution.rules.overrides.registry import provider
 
 _AITER_UNIFIED_ATTN_PAGE_SIZE = 16

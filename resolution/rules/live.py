@@ -1,4 +1,4 @@
-"""A rule-local overlay for normalise handlers that read back what they declared.
+"""A rule-local overlay for handlers that read back what they declared.
 
 SGLang's handlers read the configuration through a live view, so a value a
 handler declared a few lines earlier is what its next read answers. Our rules
@@ -67,8 +67,3 @@ class Live:
         for name, value in self._env.items():
             result[Env(name)] = value
         return result
-
-
-def env_is_true(value: str | None) -> bool:
-    """SGLang's ``EnvBool`` reading of a declared variable (unset is false)."""
-    return value is not None and value.strip().lower() in ("1", "true", "yes", "y", "on")
