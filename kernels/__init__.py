@@ -1,1 +1,1 @@
-"""flotilla.kernels: see docs/structure.md for this package's contract."""
+"""flotilla.kernels: named kernel backends per op (see registry.py)."""

@@ -1,0 +1,1 @@
+"""flotilla.cluster.engine: scheduler, KV block manager, sampler, model runner and the offline LLM."""

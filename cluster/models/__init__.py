@@ -1,0 +1,1 @@
+"""flotilla.cluster.models: model definitions built from flotilla's parallel-ready layers."""

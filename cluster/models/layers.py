@@ -1,0 +1,178 @@
+"""Parallel-ready layers: every model is written against these.
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that
+copies this rank's slice of a full checkpoint tensor, so tensor parallelism is a
+property of the layer, not of the model code. Today the layout is a single rank
+(``tp_size == 1``); the slicing rules are already the tensor-parallel ones:
+
+- :class:`ColumnParallelLinear` splits the output dimension across ranks;
+- :class:`MergedColumnParallelLinear` is several column-parallel projections
+  stacked (gate/up; q/k/v), each loaded by its ``shard_id``;
+- :class:`RowParallelLinear` splits the input dimension and all-reduces its output;
+- :class:`VocabParallelEmbedding` / :class:`ParallelLMHead` split the vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flotilla.cluster.models.base import ParallelLayout
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by tp_size={parts}")
+    return total // parts
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a whole (unsharded) tensor into ``param``, checking the shape."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _set_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows split across tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        parallel: ParallelLayout = ParallelLayout(),
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.parallel = parallel
+        self.out_per_rank = _divide(out_features, parallel.tp_size, "out_features")
+        self.weight = _set_loader(
+            nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False),
+            self._load_rows,
+        )
+        self.bias = (
+            _set_loader(nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype), requires_grad=False), self._load_rows)
+            if bias
+            else None
+        )
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        start = self.parallel.tp_rank * param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, start, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one matrix (``[gate; up]``, ``[q; k; v]``).
+
+    ``output_sizes`` are the full (unsharded) sizes of each part; the checkpoint
+    tensor of part ``i`` is loaded with ``shard_id=i``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        parallel: ParallelLayout = ParallelLayout(),
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.output_sizes = [_divide(s, parallel.tp_size, "output size") for s in output_sizes]
+        super().__init__(in_features, sum(output_sizes), bias, parallel, dtype)
+        self.weight.weight_loader = self._load_part  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_part  # type: ignore[attr-defined]
+
+    def _load_part(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("a merged projection needs the shard_id of the part being loaded")
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        part = loaded.narrow(0, self.parallel.tp_rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), part)  # type: ignore[arg-type]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split an output into its parts (this rank's slices)."""
+        return tuple(y.split(self.output_sizes, dim=-1))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's input columns split across ranks; partial outputs
+    are summed across the group (a no-op on one rank)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        parallel: ParallelLayout = ParallelLayout(),
+        dtype: torch.dtype = torch.float32,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        super().__init__()
+        self.parallel = parallel
+        self.in_per_rank = _divide(in_features, parallel.tp_size, "in_features")
+        self.all_reduce = all_reduce
+        self.weight = _set_loader(
+            nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False),
+            self._load_cols,
+        )
+        self.bias = (
+            _set_loader(nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False), default_weight_loader)
+            if bias
+            else None
+        )
+
+    def _load_cols(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        start = self.parallel.tp_rank * param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, start, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.all_reduce is not None and self.parallel.tp_size > 1:
+            y = self.all_reduce(y)
+        # NOTE: the bias is added once, after the reduction.
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks."""
+
+    def __init__(self, vocab_size: int, dim: int, parallel: ParallelLayout = ParallelLayout(), dtype=torch.float32):
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // parallel.tp_size)
+        self.start = parallel.tp_rank * self.per_rank
+        self.weight = _set_loader(
+            nn.Parameter(torch.zeros(self.per_rank, dim, dtype=dtype), requires_grad=False), self._load_rows
+        )
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded[self.start : self.start + self.per_rank]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        raise NotImplementedError("vocab-parallel embedding across ranks arrives with the cluster work")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to vocabulary logits (optionally tied to the embedding)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)[..., : self.vocab_size]
+        return logits.float()

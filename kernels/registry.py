@@ -1,0 +1,55 @@
+"""Named kernel backends per op, looked up by name.
+
+Every op has a ``torch`` backend that runs anywhere and is the oracle for tests;
+CUDA backends (flashinfer, deep-gemm, Triton) register under their own names.
+Resolution names the backend; :func:`get` fails with a clear message when the
+named backend is not available on this machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+_REGISTRY: dict[tuple[str, str], Callable] = {}
+
+# Modules that register each backend, imported on first use (lazy: the torch
+# reference costs nothing until an op is asked for, CUDA backends import their
+# libraries only when selected).
+_BACKEND_MODULES = {
+    "torch": ("flotilla.kernels.torch_ops",),
+}
+
+
+def register(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as ``backend``'s implementation of ``op``."""
+
+    def wrap(fn: Callable) -> Callable:
+        _REGISTRY[(op, backend)] = fn
+        return fn
+
+    return wrap
+
+
+def get(op: str, backend: str = "torch") -> Callable:
+    """The implementation of ``op`` for ``backend``; raises ValueError naming both
+    when it is not available here."""
+    key = (op, backend)
+    if key not in _REGISTRY:
+        for module in _BACKEND_MODULES.get(backend, ()):
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ValueError(
+                    f"kernel backend {backend!r} is not available on this machine ({exc}); "
+                    f"choose another backend for op {op!r}"
+                ) from None
+    if key not in _REGISTRY:
+        known = sorted(b for (o, b) in _REGISTRY if o == op)
+        raise ValueError(f"no {backend!r} backend for kernel op {op!r} (available: {known or 'none'})")
+    return _REGISTRY[key]
+
+
+def backends(op: str) -> list[str]:
+    """The backends registered so far for ``op``."""
+    return sorted(b for (o, b) in _REGISTRY if o == op)
