@@ -1,0 +1,63 @@
+"""merge_attention_states: attention over a split context, merged, equals attention
+over the whole context; empty shards contribute nothing and never produce NaN."""
+
+import torch
+
+from flotilla.kernels.registry import get
+
+T, H, D, L = 3, 2, 8, 10
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(T, H, D), torch.randn(L, H, D), torch.randn(L, H, D)
+
+
+def _attend_v(q, k, v, keep):
+    """Attention of q[T,H,D] over the keys where keep[L]: (out, lse); no keys gives (NaN, -inf)."""
+    scores = torch.einsum("thd,lhd->thl", q, k).masked_fill(~keep, float("-inf"))
+    return torch.einsum("thl,lhd->thd", scores.softmax(-1), v), torch.logsumexp(scores, -1)
+
+
+def test_split_context_merges_to_full_attention():
+    q, k, v = _inputs()
+    shard = torch.arange(L) % 3 == 0  # an interleaved split, as DCP shards the cache
+    out_a, lse_a = _attend_v(q, k, v, shard)
+    out_b, lse_b = _attend_v(q, k, v, ~shard)
+    out, lse = get("merge_attention_states")(out_a, lse_a, out_b, lse_b)
+    full_out, full_lse = _attend_v(q, k, v, torch.ones(L, dtype=torch.bool))
+    # fp32 softmax over 10 keys: rescaling by exp(lse_part - lse) adds a few ulps.
+    torch.testing.assert_close(out, full_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-6)
+
+
+def test_empty_shard_contributes_nothing():
+    q, k, v = _inputs()
+    everything = torch.ones(L, dtype=torch.bool)
+    out_a, lse_a = _attend_v(q, k, v, everything)
+    out_b, lse_b = _attend_v(q, k, v, ~everything)  # no keys: NaN output, -inf lse
+    assert torch.isnan(out_b).all() and torch.isneginf(lse_b).all()
+    out, lse = get("merge_attention_states")(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(out, out_a, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_a, rtol=0, atol=0)
+    out, lse = get("merge_attention_states")(out_b, lse_b, out_a, lse_a)  # either side
+    torch.testing.assert_close(out, out_a, rtol=0, atol=0)
+
+
+def test_two_empty_shards_give_zero_and_neg_inf():
+    nan_out, empty_lse = torch.full((T, H, D), float("nan")), torch.full((T, H), float("-inf"))
+    out, lse = get("merge_attention_states")(nan_out, empty_lse, nan_out, empty_lse)
+    assert torch.equal(out, torch.zeros(T, H, D))
+    assert torch.isneginf(lse).all()
+
+
+def test_bf16_output_keeps_dtype():
+    q, k, v = _inputs()
+    shard = torch.arange(L) < 4
+    out_a, lse_a = _attend_v(q, k, v, shard)
+    out_b, lse_b = _attend_v(q, k, v, ~shard)
+    out, lse = get("merge_attention_states")(out_a.bfloat16(), lse_a, out_b.bfloat16(), lse_b)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    full_out, _ = _attend_v(q, k, v, torch.ones(L, dtype=torch.bool))
+    # Inputs rounded to bf16 (rel 2^-8) then merged and rounded again: ~1e-2 at |out| ~ 1.
+    torch.testing.assert_close(out.float(), full_out, rtol=0, atol=2e-2)
