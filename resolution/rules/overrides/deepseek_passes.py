@@ -38,10 +38,13 @@ def dsa_kv_cache_dtype_default(view, model, platform):
     if not _dsa_on_gpu(model, platform):
         return None
     if not platform.has_torch_cuda:
-        # NOTE: SGLang reads the device capability here; without a GPU torch raises.
+        # NOTE: SGLang reads the device capability here, and torch raises without a
+        # GPU: "Torch not compiled with CUDA enabled" on a CPU-only build, "Found no
+        # NVIDIA driver" on a CUDA build without a device. The message names both.
         reject(
-            "Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU "
-            "and installed a driver from http://www.nvidia.com/Download/index.aspx",
+            f"{model.architecture} uses DeepSeek sparse attention (DSA), which needs an NVIDIA or AMD "
+            f"GPU; platform {platform.name!r} has none (torch: Torch not compiled with CUDA enabled / "
+            "Found no NVIDIA driver on your system). Resolve for a GPU platform, e.g. --platform h200.",
             kind="RuntimeError",
         )
     kv_cache_dtype = view.kv_cache_dtype
