@@ -1,0 +1,353 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption.
+
+Each engine step is ``schedule()`` -> execute -> ``update()``. ``schedule`` hands
+out a token budget (``max_num_batched_tokens``): first to the running requests
+in arrival order (a decode needs one token; a partly prefilled prompt gets the
+rest of its prompt, up to the budget), then to waiting requests, first come
+first served, each taking its cached prefix from the block pool and a prefill
+chunk of what remains. A request joins the batch the step it is admitted and
+leaves it the step it finishes; nothing waits for a batch to drain.
+
+When the pool cannot give a running request the block its next token needs, the
+most recently arrived running request is preempted: its blocks are freed, its
+computed count drops to zero, and it goes back to the FRONT of the waiting queue
+with the tokens it has sampled so far, to be recomputed (prompt + outputs; the
+prefix cache usually still holds most of it).
+
+NOTE: fairness invariant. ``running`` and ``waiting`` are both in arrival order,
+and every running request arrived before every waiting one: admission never
+skips the head of the queue, and preemption moves the latest running request to
+the head. So an earlier request is never starved by later ones.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from flotilla.cluster.engine.block_manager import KVBlockPool
+from flotilla.cluster.engine.request import Request, RequestStatus
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (got {name}={value!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """What the scheduler may hand out per step.
+
+    Attributes:
+        num_blocks: KV cache blocks (a runtime fact: what fits in memory).
+        max_num_seqs: the most requests running at once.
+        max_num_batched_tokens: the token budget of one step (prefill chunks plus
+            decodes); at least ``max_num_seqs`` so every running request can
+            decode every step.
+        block_size: token slots per KV cache block.
+        enable_prefix_caching: reuse cached blocks of shared prompt prefixes.
+        enable_chunked_prefill: split a prompt over steps to fit the budget; when
+            off, a prefill is scheduled whole or not at all.
+    """
+
+    num_blocks: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each step; raise "
+                f"max_num_batched_tokens or lower max_num_seqs"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request (its ``block_ids`` already cover the new tokens).
+        num_new_tokens: tokens to compute this step.
+        start_position: position of the first new token (``num_computed_tokens``
+            when scheduled); the new tokens are ``all_token_ids[start:start+n]``.
+        samples: whether this step completes the request's tokens, so the engine
+            samples one for it (False for a partial prefill chunk).
+    """
+
+    request: Request
+    num_new_tokens: int
+    start_position: int
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        # NOTE: fixed at schedule time; update() appends the sampled token, after
+        # which the request's length no longer tells.
+        object.__setattr__(self, "samples", self.start_position + self.num_new_tokens == self.request.num_tokens)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The new tokens' ids (read before :meth:`Scheduler.update`, like everything here)."""
+        return self.request.all_token_ids[self.start_position : self.start_position + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes.
+
+    Attributes:
+        scheduled: running requests first (arrival order), then newly admitted ones.
+        preempted: requests that lost their blocks this step (now waiting again).
+        num_batched_tokens: sum of ``num_new_tokens``.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Args:
+        config: the budgets and switches.
+        pool: the KV block pool (built from ``config`` when None); its block size
+            and caching switch must agree with ``config``.
+    """
+
+    def __init__(self, config: SchedulerConfig, pool: KVBlockPool | None = None) -> None:
+        if pool is None:
+            pool = KVBlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        if pool.block_size != config.block_size or pool.num_blocks != config.num_blocks:
+            raise ValueError(
+                f"pool (num_blocks={pool.num_blocks}, block_size={pool.block_size}) does not match config "
+                f"(num_blocks={config.num_blocks}, block_size={config.block_size})"
+            )
+        if pool.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError(
+                f"pool.enable_prefix_caching={pool.enable_prefix_caching} does not match "
+                f"config.enable_prefix_caching={config.enable_prefix_caching}"
+            )
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._next_arrival = 0
+        self.num_preemptions = 0
+
+    # ---- queries -------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Request | None:
+        """The live (waiting or running) request with this id, if any."""
+        return self._requests.get(request_id)
+
+    def max_tokens_per_request(self) -> int:
+        """The most tokens (prompt + max_tokens) one request may need.
+
+        A request must fit the whole pool alone, so the oldest running request can
+        always make progress by preempting the others; without chunked prefill its
+        recompute must also fit one step's budget. The caller rejects (or caps
+        ``max_tokens`` of) requests above it; :meth:`add` raises for them.
+        """
+        limit = self.pool.num_blocks * self.pool.block_size
+        if not self.config.enable_chunked_prefill:
+            limit = min(limit, self.config.max_num_batched_tokens)
+        return limit
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (last in FCFS order)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already live; request ids must be unique")
+        if request.status is not RequestStatus.WAITING or request.block_ids:
+            raise ValueError(f"request {request.request_id!r} was already scheduled (status={request.status.name})")
+        needed = request.num_prompt_tokens + request.max_tokens
+        limit = self.max_tokens_per_request()
+        if needed > limit:
+            raise ValueError(
+                f"prompt_token_ids + max_tokens: request {request.request_id!r} needs {needed} tokens "
+                f"({request.num_prompt_tokens} prompt + max_tokens={request.max_tokens}), more than the "
+                f"{limit} one request may use here; shorten the prompt or lower max_tokens"
+            )
+        request.arrival_order = self._next_arrival
+        self._next_arrival += 1
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, status: RequestStatus) -> bool:
+        """End a live request with a finished ``status`` and free its blocks at once.
+
+        Returns False if no live request has this id.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status (got status={status.name})")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release_blocks(request)
+        request.status = status
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a waiting or running request; its blocks are free on return."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- the step ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their blocks."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        # NOTE: after a preemption the pool is short; admitting now would only
+        # preempt again next step.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(item.num_new_tokens for item in out.scheduled)
+        if out.is_empty and self.waiting and not self.running:
+            # NOTE: unreachable while add()'s bound holds and the engine finishes
+            # requests at max_tokens; raising beats an engine loop that never ends.
+            head = self.waiting[0]
+            raise RuntimeError(
+                f"request {head.request_id!r} needs {head.num_tokens} tokens of KV cache and cannot be scheduled "
+                f"even alone (limit {self.max_tokens_per_request()}); the engine must finish requests at max_tokens"
+            )
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens_to_compute, budget)
+            needed = self.pool.blocks_for_tokens(request.num_computed_tokens + num_new) - len(request.block_ids)
+            while not self.pool.can_allocate(needed):
+                # NOTE: the victim is the latest arrival; requests before index are
+                # already scheduled and are never victims (the loop stops at itself).
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            request.block_ids += self.pool.allocate(needed)
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks, num_cached = self.pool.match_prefix(request.all_token_ids, request.block_hashes)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    return
+                num_new = budget
+            needed = self.pool.blocks_for_tokens(num_cached + num_new) - len(cached_blocks)
+            if not self.pool.can_allocate(needed, cached_blocks):
+                return
+            self.waiting.popleft()
+            self.pool.touch(cached_blocks)
+            request.block_ids = cached_blocks + self.pool.allocate(needed)
+            request.num_committed_blocks = len(cached_blocks)
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
+                self.pool.record_prefix_query(request.num_prompt_tokens, request.num_cached_prompt_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
+            budget -= num_new
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | None]) -> list[Request]:
+        """Advance the requests of a finished step.
+
+        Each scheduled request's computed count grows by its ``num_new_tokens``;
+        those whose tokens are now all computed get their sampled token appended
+        (``sampled[request_id]`` must be a token id for them; entries for partial
+        prefill chunks are ignored). Newly full blocks join the prefix cache.
+        Requests finished or aborted since :meth:`schedule` are skipped. The engine
+        then checks stop conditions and calls :meth:`finish`.
+
+        Returns the requests that received a token, in schedule order.
+        """
+        advanced = []
+        for item in output.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != item.start_position:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            if request.num_computed_tokens == request.num_tokens:
+                token = sampled.get(request.request_id)
+                if token is None:
+                    raise ValueError(
+                        f"sampled: no token for request {request.request_id!r}, "
+                        f"whose tokens were all computed this step"
+                    )
+                request.append_output_token(token)
+                advanced.append(request)
+            self.pool.commit_full_blocks(request)
+        return advanced
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self._release_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release_blocks(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_committed_blocks = 0
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless queues, statuses and block references agree
+        (for tests: no leaked blocks, FCFS order kept)."""
+        refs: dict[int, int] = {}
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING, f"{request} is in running"
+            assert len(request.block_ids) >= self.pool.blocks_for_tokens(request.num_computed_tokens), f"{request}"
+            for block in request.block_ids:
+                refs[block] = refs.get(block, 0) + 1
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request} is waiting"
+            assert not request.block_ids and request.num_computed_tokens == 0, f"waiting {request} holds blocks"
+        order = [r.arrival_order for r in self.running] + [r.arrival_order for r in self.waiting]
+        assert order == sorted(order), f"queues out of arrival order: {order}"
+        assert len(self.running) <= self.config.max_num_seqs
+        assert set(self._requests) == {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        self.pool.check_invariants(refs)
