@@ -1,0 +1,229 @@
+"""DeepSeek-V2 and V3: multi-head latent attention (MLA) and MoE with shared experts.
+
+MLA caches one latent vector per token instead of per-head keys and values: the
+RMS-normalised ``kv_c`` (``kv_lora_rank`` wide) concatenated with the shared, rotated
+``k_pe`` (``qk_rope_head_dim`` wide), i.e. a cache entry of shape
+``(1, kv_lora_rank + qk_rope_head_dim)``. Attention runs in the latent space
+("absorbed"): ``kv_b_proj`` is split at load time into ``w_kc[H, Dn, R]`` (keys:
+``q_nope`` is mapped into the latent space through it) and ``w_vc[H, R, Dv]`` (values:
+the attended latent is mapped out through it), and ``mla_attention`` does the rest.
+
+RoPE touches only the ``qk_rope_head_dim`` part. HF DeepSeek rotates interleaved pairs
+(V2 always; V3 unless ``rope_interleave`` is false), i.e. ``is_neox=False``. YaRN
+scaling multiplies cos/sin by its attention factor (in the rope table) and, with
+``mscale_all_dim``, the softmax scale by ``mscale**2``.
+
+Routing: V2 scores experts with softmax (``topk_method="group_limited_greedy"`` limits
+the choice to the ``topk_group`` groups with the best expert); V3 scores with sigmoid
+and chooses by bias-corrected scores (``e_score_correction_bias``) in the ``topk_group``
+groups whose best two experts score highest. Both multiply the routing weights by
+``routed_scaling_factor`` and add ``n_shared_experts`` always-on experts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from flotilla.cluster.models.base import KVCacheSpec, ModelConfig, ParallelLayout
+from flotilla.cluster.models.layers import ColumnParallelLinear, RowParallelLinear
+from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
+from flotilla.cluster.models.moe_models import (
+    KERNEL_BACKEND,
+    DecoderLayer,
+    DecoderOnlyLM,
+    MLP_STACKED_PARAMS,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_settings,
+)
+from flotilla.kernels import registry
+from flotilla.kernels.attention import AttentionMetadata
+
+# NOTE: HF (and DeepSeek's own code) build q_a_layernorm / kv_a_layernorm with the
+# RMSNorm default epsilon, not config.rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+_LAYER_INDEX = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times ``mscale**2`` under YaRN
+    with ``mscale_all_dim`` (the long-context temperature of DeepSeek's YaRN)."""
+    scale = (cfg.get("qk_nope_head_dim") + cfg.get("qk_rope_head_dim")) ** -0.5
+    _, scaling = rope_settings(cfg)
+    if scaling and scaling.get("mscale_all_dim"):
+        mscale = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        scale *= mscale * mscale
+    return scale
+
+
+def _replicated(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> ColumnParallelLinear:
+    """A projection every rank holds whole (the low-rank down-projections)."""
+    return ColumnParallelLinear(in_features, out_features, bias=bias, parallel=ParallelLayout(), dtype=dtype)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention over a latent paged cache."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+        tp = cfg.parallel
+        if heads % tp.tp_size:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by tp_size={tp.tp_size}")
+        self.num_heads = heads // tp.tp_size
+        self.tp_rank = tp.tp_rank
+        self.nope_dim, self.rope_dim = cfg.get("qk_nope_head_dim"), cfg.get("qk_rope_head_dim")
+        self.v_dim, self.kv_lora_rank = cfg.get("v_head_dim"), cfg.get("kv_lora_rank")
+        self.q_lora_rank = cfg.get("q_lora_rank")
+        bias, dtype = bool(cfg.get("attention_bias", False)), cfg.dtype
+        q_width = heads * (self.nope_dim + self.rope_dim)
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, q_width, parallel=tp, dtype=dtype)
+        else:
+            self.q_a_proj = _replicated(hidden, self.q_lora_rank, bias, dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS, dtype)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_width, parallel=tp, dtype=dtype)
+        self.kv_a_proj_with_mqa = _replicated(hidden, self.kv_lora_rank + self.rope_dim, bias, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype)
+        # kv_b_proj, split per head: keys' up-projection and values' up-projection (transposed).
+        w_kc = torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank, dtype=dtype)
+        w_vc = torch.empty(self.num_heads, self.kv_lora_rank, self.v_dim, dtype=dtype)
+        self.w_kc = nn.Parameter(w_kc, requires_grad=False)
+        self.w_vc = nn.Parameter(w_vc, requires_grad=False)
+        self.w_kc.weight_loader = self._load_kv_b  # type: ignore[attr-defined]
+        self.w_vc.weight_loader = self._load_kv_b  # type: ignore[attr-defined]
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, parallel=tp, dtype=dtype)
+        self.rotary = rotary
+        self.scale = mla_softmax_scale(cfg)
+        self._attend = registry.get("mla_attention", cfg.attention_backend)
+
+    def _load_kv_b(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Fill ``w_kc`` or ``w_vc`` from the whole ``kv_b_proj.weight[H*(Dn+Dv), R]``."""
+        expected = (-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        per_head = loaded.view(expected).narrow(0, self.tp_rank * self.num_heads, self.num_heads)
+        if param is self.w_kc:
+            param.data.copy_(per_head[:, : self.nope_dim])
+        else:
+            param.data.copy_(per_head[:, self.nope_dim :].transpose(1, 2))
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        (latent_cache,) = kv_cache
+        out = self._attend(q_nope, q_pe, kv_c, k_pe, latent_cache, meta, self.w_kc, self.w_vc, self.scale)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts plus ``n_shared_experts`` shared ones (one MLP of
+    ``n_shared_experts * moe_intermediate_size``)."""
+
+    def __init__(self, cfg: ModelConfig, scoring: str, correction_bias: bool, grouped: bool):
+        super().__init__()
+        hidden, num_experts = cfg.get("hidden_size"), cfg.get("n_routed_experts")
+        inter = cfg.get("moe_intermediate_size")
+        top_k = cfg.get("num_experts_per_tok")
+        self.gate = MoERouter(
+            hidden, num_experts, with_correction_bias=correction_bias, float32_logits=True, dtype=cfg.dtype
+        )
+        self.experts = FusedMoE(
+            num_experts,
+            top_k,
+            hidden,
+            inter,
+            # NOTE: as vLLM/SGLang and DeepSeek's code for the shipped checkpoints (HF's V2 class ignores
+            # norm_topk_prob, which is false in every V2 checkpoint).
+            renormalize=bool(cfg.get("norm_topk_prob", False)) and top_k > 1,
+            scoring=scoring,
+            num_expert_group=cfg.get("n_group") if grouped else None,
+            topk_group=cfg.get("topk_group") if grouped else None,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            parallel=cfg.parallel,
+            dtype=cfg.dtype,
+            backend=KERNEL_BACKEND,
+        )
+        shared = cfg.get("n_shared_experts", 0)
+        self.shared_experts = GatedMLP(cfg, hidden, inter * shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class _DeepseekForCausalLM(DecoderOnlyLM):
+    """The shared V2/V3 decoder; subclasses choose the rope layout and the routing."""
+
+    stacked_params = MLP_STACKED_PARAMS
+
+    def __init__(self, cfg: ModelConfig, is_neox: bool, scoring: str, correction_bias: bool, grouped: bool):
+        super().__init__(cfg)
+        base, scaling = rope_settings(cfg)
+        max_position = cfg.get("max_position_embeddings")
+        rotary = RotaryEmbedding(cfg.get("qk_rope_head_dim"), max_position, base, scaling, is_neox)
+        first_dense = cfg.get("first_k_dense_replace", 0)
+        freq = cfg.get("moe_layer_freq", 1)
+        self.num_layers = cfg.get("num_hidden_layers")
+        for i in range(self.num_layers):
+            if cfg.get("n_routed_experts") is not None and i >= first_dense and i % freq == 0:
+                mlp: nn.Module = DeepseekMoE(cfg, scoring, correction_bias, grouped)
+            else:
+                mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"))
+            self.layers.append(DecoderLayer(cfg, MLAttention(cfg, rotary), mlp))
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        width = self.config.get("kv_lora_rank") + self.config.get("qk_rope_head_dim")
+        return KVCacheSpec(num_layers=len(self.layers), tensors_per_layer=((1, width),), dtype=self.config.dtype)
+
+    def hf_target(self, name: str) -> Any:
+        layer = _LAYER_INDEX.match(name)
+        if layer and int(layer.group(1)) >= self.num_layers:
+            return None  # V3's multi-token-prediction layers (speculative decoding; not served yet)
+        if name.endswith(".self_attn.kv_b_proj.weight"):
+            prefix = name.removeprefix("model.")[: -len("kv_b_proj.weight")]
+            return [(prefix + "w_kc", None), (prefix + "w_vc", None)]
+        return super().hf_target(name)
+
+
+class DeepseekV2ForCausalLM(_DeepseekForCausalLM):
+    """DeepSeek-V2 / V2-Lite: interleaved RoPE, softmax routing, group-limited when
+    ``topk_method == "group_limited_greedy"``."""
+
+    def __init__(self, cfg: ModelConfig):
+        grouped = cfg.get("topk_method", "greedy") == "group_limited_greedy"
+        scoring = cfg.get("scoring_func", "softmax")
+        super().__init__(cfg, is_neox=False, scoring=scoring, correction_bias=False, grouped=grouped)
+
+
+class DeepseekV3ForCausalLM(_DeepseekForCausalLM):
+    """DeepSeek-V3 / R1: RoPE interleaved unless ``rope_interleave`` is false; sigmoid
+    routing with ``e_score_correction_bias`` (``topk_method="noaux_tc"``) over expert groups."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(
+            cfg,
+            is_neox=not cfg.get("rope_interleave", True),
+            scoring=cfg.get("scoring_func", "sigmoid"),
+            correction_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
+            grouped=True,
+        )
