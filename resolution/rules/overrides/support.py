@@ -8,6 +8,8 @@ its SGLang default.
 
 from __future__ import annotations
 
+from flotilla.resolution.errors import Violation
+
 from typing import Any, Mapping
 
 from flotilla.resolution.rules.normalise.cuda_graph import (  # noqa: F401  (re-exported)
@@ -75,12 +77,26 @@ def quantization_explicitly_unset(view: Any) -> bool:
     return view.explicit("quantization") and view.quantization in (None, "unquant")
 
 
-def model_config_quantization(view: Any, model: Any) -> str | None:
-    """SGLang's ``ModelConfig.quantization``: the user's method when given,
-    else the one the checkpoint's ``quantization_config`` implies."""
-    if view.quantization not in (None, "unquant"):
-        return view.quantization
-    return model.quantization
+def model_config_quantization(view: Any, model: Any, platform: Any) -> str | None:
+    """SGLang's ``ModelConfig.quantization``: the method the checkpoint and the
+    user's ``--quantization`` reconcile to (a quantized checkpoint keeps its own
+    method unless the request is a compatible override).
+
+    NOTE: the normalise phase already rejected irreconcilable combinations
+    (``ModelConfig.__init__`` rule), so this never raises for a launch that got here.
+    """
+    from flotilla.resolution.model_quant import verify_quantization
+
+    try:
+        return verify_quantization(
+            model.quant_config,
+            view.quantization,
+            device=platform.device,
+            capability=platform.capability,
+            gcn_arch=platform.gcn_arch,
+        )
+    except Violation:
+        return view.quantization if view.quantization not in (None, "unquant") else model.quantization
 
 
 # Config classes that hoist the text config's quantization_config to the top.

@@ -29,6 +29,6 @@ def _cohere2_moe_runner_overrides(view, model, platform):
     """Command-A MoE on SM10x runs the flashinfer_trtllm fused MoE (bf16 or nvfp4-pack)."""
     if view.moe_runner_backend != "auto" or not platform.is_sm100:
         return {}
-    if model_config_quantization(view, model) is not None and not nvfp4_pack_quantized(model):
+    if model_config_quantization(view, model, platform) is not None and not nvfp4_pack_quantized(model):
         return {}
     return {"moe_runner_backend": "flashinfer_trtllm"}

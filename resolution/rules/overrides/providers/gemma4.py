@@ -31,7 +31,7 @@ def _gemma4_overrides(view, model, platform):
     if (
         platform.is_sm100
         and view.moe_runner_backend == "auto"
-        and model_config_quantization(view, model) == "modelopt_fp4"
+        and model_config_quantization(view, model, platform) == "modelopt_fp4"
     ):
         declared["quantization"] = "modelopt_fp4"
         declared["moe_runner_backend"] = "flashinfer_trtllm"

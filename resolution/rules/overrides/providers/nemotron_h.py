@@ -93,7 +93,7 @@ def _nemotron_h_overrides(view, model, platform):
     Deviation: SGLang's bare ``assert`` on the MLP activation has no message;
     flotilla says what it checks.
     """
-    model_quant = model_config_quantization(view, model)
+    model_quant = model_config_quantization(view, model, platform)
     is_modelopt = model_quant in _MODELOPT
     quantization = view.quantization
     declared = {}
