@@ -68,8 +68,9 @@ _COMPATIBLE = {
 _MARLIN_GROUP_SIZES = (-1, 32, 64, 128)
 
 
-def _parse_modelopt(section: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The concrete method a ModelOpt quantization section names, or ``None``."""
+def modelopt_method(section: Mapping[str, Any]) -> str | None:
+    """The ``quant_method`` SGLang rewrites a ModelOpt quantization section to
+    (from its ``quant_algo``), or ``None``."""
     algo = section.get("quant_algo")
     if algo == "MIXED_PRECISION":
         layers = section.get("quantized_layers") or {}
@@ -78,19 +79,28 @@ def _parse_modelopt(section: Mapping[str, Any]) -> dict[str, Any] | None:
             for info in layers.values()
             if isinstance(info, Mapping)
         )
-        return {"quant_method": "modelopt_mixed" if nvfp4_layers else "w4afp8", "quant_algo": algo}
+        return "modelopt_mixed" if nvfp4_layers else "w4afp8"
     if algo and ("FP4" in algo or "NVFP4" in algo):
-        return {"quant_method": "modelopt_fp4", "quant_algo": algo}
+        return "modelopt_fp4"
     if algo == "FP8":
-        return {"quant_method": "modelopt_fp8", "quant_algo": algo}
+        return "modelopt_fp8"
     if algo == "MXFP8":
-        parsed: dict[str, Any] = {
-            "quant_method": "mxfp8",
-            "quant_algo": algo,
-            "activation_scheme": "dynamic",
-            "weight_block_size": [1, section.get("group_size", 32)],
-            "scale_fmt": "ue8m0",
-        }
+        return "mxfp8"
+    return None
+
+
+def _parse_modelopt(section: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The concrete method a ModelOpt quantization section names, or ``None``."""
+    method = modelopt_method(section)
+    if method is None:
+        return None
+    parsed: dict[str, Any] = {"quant_method": method, "quant_algo": section.get("quant_algo")}
+    if method == "mxfp8":
+        parsed.update(
+            activation_scheme="dynamic",
+            weight_block_size=[1, section.get("group_size", 32)],
+            scale_fmt="ue8m0",
+        )
         ignored = section.get("exclude_modules", section.get("ignore"))
         if ignored is not None:
             parsed["modules_to_not_convert"] = ignored
@@ -100,8 +110,7 @@ def _parse_modelopt(section: Mapping[str, Any]) -> dict[str, Any] | None:
             kv_algo = "FP8"
         if kv_algo is not None:
             parsed["kv_cache_quant_algo"] = kv_algo
-        return parsed
-    return None
+    return parsed
 
 
 def parse_quant_config(cfg: Mapping[str, Any]) -> dict[str, Any] | None:

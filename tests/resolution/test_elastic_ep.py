@@ -6,27 +6,13 @@ deviation (flotilla-only, so no reference exists for it).
 import pytest
 
 from flotilla.resolution import ArgumentError, ModelFacts, ResolutionError, ServerArgs, preset, resolve
+from helpers.resolution_configs import DEEPSEEK_V3_BF16
 
 DSV3 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "num_hidden_layers": 61,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
+    **DEEPSEEK_V3_BF16,
     "moe_intermediate_size": 2048,
     "intermediate_size": 18432,
     "first_k_dense_replace": 3,
-    "vocab_size": 129280,
-    "max_position_embeddings": 163840,
     "torch_dtype": "bfloat16",
     "num_nextn_predict_layers": 1,
     "rms_norm_eps": 1e-6,

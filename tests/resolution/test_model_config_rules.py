@@ -13,18 +13,9 @@ from flotilla.resolution.model_derive import apply_overrides
 from flotilla.resolution.rules import normalise
 from flotilla.resolution.rules.normalise.graph_rules import apply_inkling_prefill_cuda_graph_default
 from flotilla.resolution.rules.normalise.model_config import verify_model_config
+from helpers.resolution_configs import LLAMA_8K
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "intermediate_size": 14336,
-}
+LLAMA = {**LLAMA_8K, "intermediate_size": 14336}
 
 GPT_OSS = {
     "architectures": ["GptOssForCausalLM"],

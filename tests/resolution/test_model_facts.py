@@ -12,29 +12,16 @@ from flotilla.resolution.errors import ModelConfigError, Violation
 from flotilla.resolution.model import ModelFacts
 from flotilla.resolution.model_derive import check_context_length, context_length
 from flotilla.resolution.model_quant import parse_quant_config, verify_quantization
+from helpers.resolution_configs import DEEPSEEK_V3_MLA, LLAMA_SHAPE
 
 LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
+    **LLAMA_SHAPE,
     "max_position_embeddings": 131072,
     "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
 }
 
 DSV3 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "num_hidden_layers": 61,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
+    **DEEPSEEK_V3_MLA,
     "max_position_embeddings": 163840,
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
 }

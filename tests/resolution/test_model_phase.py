@@ -12,68 +12,25 @@ from __future__ import annotations
 
 import pytest
 
-from flotilla.resolution import ModelFacts, ResolutionError, ServerArgs, preset
-from flotilla.resolution.engine import ProviderGroup, View, run
-from flotilla.resolution.fields import DEFAULTS, RESOLVABLE
-from flotilla.resolution.rules import CATALOG, overrides
+from flotilla.resolution import ModelFacts, preset
+from flotilla.resolution.engine import ProviderGroup, View
+from flotilla.resolution.fields import DEFAULTS
+from flotilla.resolution.rules import overrides
 from flotilla.resolution.rules.overrides import deepseek_passes, glm_sm120
+from helpers.resolution_configs import (
+    DEEPSEEK_V3,
+    DEEPSEEK_V32,
+    DEEPSEEK_V4,
+    LLAMA_8K as LLAMA,
+    declared_by,
+    model_phase_error as rejection,
+    through_model_phase,
+)
 
-FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
-
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "num_hidden_layers": 61,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "max_position_embeddings": 163840,
-    "vocab_size": 129280,
-    "quantization_config": FP8,
-}
-DEEPSEEK_V32 = {**DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
-                "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
 GLM5 = {**DEEPSEEK_V32, "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "num_hidden_layers": 78}
 GLM52_NVFP4 = {**GLM5, "quantization_config": {
     "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": "FP8",
     "exclude_modules": ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.shared_experts*"]}}
-DEEPSEEK_V4 = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "hidden_size": 4096,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 1,
-    "num_hidden_layers": 43,
-    "head_dim": 512,
-    "q_lora_rank": 1024,
-    "qk_rope_head_dim": 64,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 6,
-    "index_topk": 512,
-    "index_head_dim": 128,
-    "index_n_heads": 64,
-    "sliding_window": 128,
-    "max_position_embeddings": 1048576,
-    "vocab_size": 129280,
-}
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "max_position_embeddings": 8192,
-    "vocab_size": 128256,
-}
 QWEN3_NEXT = {
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",
@@ -92,30 +49,6 @@ QWEN3_NEXT = {
     "max_position_embeddings": 262144,
     "vocab_size": 151936,
 }
-
-
-def through_model_phase(argv, hf, platform="b200"):
-    """Run the normalise and model phases; return the outcome (values, env, provenance)."""
-    args = ServerArgs.from_cli(["--model-path", "/models/example", *argv])
-    return run(
-        CATALOG[:2],
-        user=args.values,
-        explicit=args.explicit,
-        defaults=DEFAULTS,
-        resolvable=RESOLVABLE,
-        model=ModelFacts.from_hf_config(hf),
-        platform=preset(platform),
-    )
-
-
-def declared_by(outcome, rule_name):
-    return {c.field: c.new for c in outcome.provenance if c.rule == rule_name}
-
-
-def rejection(argv, hf, platform="b200"):
-    with pytest.raises(ResolutionError) as info:
-        through_model_phase(argv, hf, platform)
-    return info.value
 
 
 # -- order ------------------------------------------------------------------------

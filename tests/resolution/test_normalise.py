@@ -10,66 +10,28 @@ from __future__ import annotations
 
 import pytest
 
-from flotilla.resolution import ServerArgs, ModelFacts, ResolutionError, preset, resolve
-from flotilla.resolution.engine import Phase, View, run
-from flotilla.resolution.fields import DEFAULTS, RESOLVABLE
+from flotilla.resolution import ResolutionError, resolve
+from flotilla.resolution.engine import Phase, View
+from flotilla.resolution.fields import DEFAULTS
 from flotilla.resolution.rules import normalise
 from flotilla.resolution.rules.normalise import cuda_graph
 from flotilla.resolution.rules.normalise.legacy import handle_legacy_cp_arguments
+from helpers.resolution_configs import (
+    DEEPSEEK_V3_ROUTED as DEEPSEEK_V3,
+    LLAMA_8K,
+    MODEL_DIR,
+    resolution_inputs as _inputs,
+    run_phases,
+)
 
-MODEL_DIR = "/models/example"
-
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "max_position_embeddings": 8192,
-    "vocab_size": 128256,
-    "torch_dtype": "bfloat16",
-}
-
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "num_hidden_layers": 61,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 8,
-    "max_position_embeddings": 163840,
-    "vocab_size": 129280,
-}
+LLAMA = {**LLAMA_8K, "intermediate_size": 14336, "torch_dtype": "bfloat16"}
 
 DEEPSEEK_V32 = {**DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"], "index_topk": 2048}
 
 
-def _inputs(argv, hf, platform):
-    args = ServerArgs.from_cli(["--model-path", MODEL_DIR, *argv])
-    return args, ModelFacts.from_hf_config(hf), preset(platform)
-
-
 def normalise_only(argv, hf=LLAMA, platform="b200"):
     """Run only the normalise phase; return the engine outcome."""
-    args, model, facts = _inputs(argv, hf, platform)
-    return run(
-        [(Phase.NORMALISE, normalise.STEPS)],
-        user=args.values,
-        explicit=args.explicit,
-        defaults=DEFAULTS,
-        resolvable=RESOLVABLE,
-        model=model,
-        platform=facts,
-    )
+    return run_phases([(Phase.NORMALISE, normalise.STEPS)], argv, hf, platform)
 
 
 def values(argv, hf=LLAMA, platform="b200"):

@@ -14,22 +14,9 @@ from flotilla.resolution.fields import DEFAULTS
 from flotilla.resolution.frozen import freeze
 from flotilla.resolution.rules.parallel import context_parallel, graphs
 from flotilla.resolution.rules.parallel.a2a import cutedsl_max_tokens
+from helpers.resolution_configs import LLAMA_128K
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "head_dim": 128,
-    "torch_dtype": "bfloat16",
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-}
+LLAMA = {**LLAMA_128K, "head_dim": 128}
 QWEN3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"],

@@ -17,21 +17,7 @@ from flotilla.resolution.fields import DEFAULTS
 from flotilla.resolution.platform import apply_flips
 from flotilla.resolution.rules.passes.hisparse import HISPARSE_VALIDATION
 from flotilla.resolution.rules.normalise.cuda_graph import phase_backend
-
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-5,
-}
+from helpers.resolution_configs import LLAMA_128K as LLAMA
 
 _MLA_COMMON = {
     "vocab_size": 129280,

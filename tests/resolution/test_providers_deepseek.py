@@ -10,56 +10,19 @@ from __future__ import annotations
 
 import pytest
 
-from flotilla.resolution import ModelFacts, ResolutionError, ServerArgs, preset
-from flotilla.resolution.engine import run
-from flotilla.resolution.fields import DEFAULTS, RESOLVABLE
-from flotilla.resolution.platform import apply_flips
-from flotilla.resolution.rules import CATALOG
 from flotilla.resolution.rules.overrides.registry import providers_for
+from helpers.resolution_configs import (
+    DEEPSEEK_V3,
+    DEEPSEEK_V32,
+    DEEPSEEK_V4,
+    FP8,
+    declared_by,
+    model_phase_error,
+    through_model_phase,
+)
 
-FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
 
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "num_hidden_layers": 61,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "max_position_embeddings": 163840,
-    "vocab_size": 129280,
-    "quantization_config": FP8,
-}
-DEEPSEEK_V32 = {**DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
-                "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
-DEEPSEEK_V4 = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "hidden_size": 4096,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 1,
-    "num_hidden_layers": 43,
-    "head_dim": 512,
-    "q_lora_rank": 1024,
-    "qk_rope_head_dim": 64,
-    "n_routed_experts": 256,
-    "num_experts_per_tok": 6,
-    "index_topk": 512,
-    "index_head_dim": 128,
-    "index_n_heads": 64,
-    "sliding_window": 128,
-    "max_position_embeddings": 1048576,
-    "vocab_size": 129280,
-}
 KIMI_K3 = {
     "architectures": ["KimiK3ForConditionalGeneration"],
     "model_type": "kimi_k3",
@@ -127,32 +90,8 @@ GLM4_MOE = {
 }
 
 
-def through_model_phase(argv, hf, platform="b200", **flips):
-    """Run the normalise and model phases; return the outcome (values, env, provenance)."""
-    args = ServerArgs.from_cli(["--model-path", "/models/example", *argv])
-    facts = preset(platform)
-    if flips:
-        facts = apply_flips(facts, flips)
-    return run(
-        CATALOG[:2],
-        user=args.values,
-        explicit=args.explicit,
-        defaults=DEFAULTS,
-        resolvable=RESOLVABLE,
-        model=ModelFacts.from_hf_config(hf),
-        platform=facts,
-    )
-
-
-def declared_by(outcome, rule_name):
-    """{field: value} a rule declared (its last declaration of each field)."""
-    return {c.field: c.new for c in outcome.provenance if c.rule == rule_name}
-
-
 def rejection(argv, hf, platform="b200"):
-    with pytest.raises(ResolutionError) as info:
-        through_model_phase(argv, hf, platform)
-    return str(info.value)
+    return str(model_phase_error(argv, hf, platform))
 
 
 # -- registry ------------------------------------------------------------------

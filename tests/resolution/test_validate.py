@@ -6,17 +6,9 @@ import pytest
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from flotilla.resolution.errors import ResolutionError
 from flotilla.resolution.rules.validate import STEPS
+from helpers.resolution_configs import LLAMA_SHAPE
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 4,
-    "vocab_size": 1000,
-    "max_position_embeddings": 131072,
-}
+LLAMA = {**LLAMA_SHAPE, "num_hidden_layers": 4, "vocab_size": 1000, "max_position_embeddings": 131072}
 SDAR = dict(LLAMA, architectures=["SDARForCausalLM"], model_type="qwen3", head_dim=128, max_position_embeddings=32768)
 HRM = dict(LLAMA, architectures=["HrmTextForCausalLM"])
 BERT = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 768, "num_attention_heads": 12,

@@ -100,12 +100,9 @@ def handle_asr_validation(view, model, platform):
     return None
 
 
-@rule("validate_prefill_only_disable_kv_cache_args")
-def validate_prefill_only_disable_kv_cache_args(view, model, platform):
-    """--prefill-only-disable-kv-cache is for embedding servers with one-shot prefill
-    (chunked prefill off), no radix cache, no FP4/MXFP8 KV pools, no CP and no HiSparse."""
-    if not view.prefill_only_disable_kv_cache:
-        return None
+def check_prefill_only_embedding_and_fp4(view) -> None:
+    """The first checks on --prefill-only-disable-kv-cache: it needs an embedding
+    server and no FP4 KV pool (also run when EmbeddingGemma turns the flag on)."""
     if not view.is_embedding:
         reject(
             "--prefill-only-disable-kv-cache currently requires --is-embedding. "
@@ -118,6 +115,15 @@ def validate_prefill_only_disable_kv_cache_args(view, model, platform):
             "--kv-cache-dtype=nvfp4 or --kv-cache-dtype=fp4_mx_block16 because "
             "the FP4 pool uses a separate allocation path."
         )
+
+
+@rule("validate_prefill_only_disable_kv_cache_args")
+def validate_prefill_only_disable_kv_cache_args(view, model, platform):
+    """--prefill-only-disable-kv-cache is for embedding servers with one-shot prefill
+    (chunked prefill off), no radix cache, no FP4/MXFP8 KV pools, no CP and no HiSparse."""
+    if not view.prefill_only_disable_kv_cache:
+        return None
+    check_prefill_only_embedding_and_fp4(view)
     if view.kv_cache_dtype == "mxfp8":
         reject(
             "--prefill-only-disable-kv-cache does not currently support "

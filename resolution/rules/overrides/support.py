@@ -9,6 +9,7 @@ its SGLang default.
 from __future__ import annotations
 
 from flotilla.resolution.errors import Violation
+from flotilla.resolution.model_quant import modelopt_method
 
 from typing import Any, Mapping
 
@@ -113,25 +114,6 @@ def hf_quant_config(model: Any) -> Mapping[str, Any]:
     return qc if isinstance(qc, Mapping) else {}
 
 
-def _modelopt_method(qc: Mapping[str, Any]) -> str | None:
-    algo = qc.get("quant_algo")
-    if algo == "MIXED_PRECISION":
-        layers = qc.get("quantized_layers") or {}
-        nvfp4 = any(
-            str(layer.get("quant_algo", "")).upper() in ("NVFP4", "W4A16_NVFP4")
-            for layer in layers.values()
-            if isinstance(layer, Mapping)
-        )
-        return "modelopt_mixed" if nvfp4 else "w4afp8"
-    if algo and ("FP4" in algo or "NVFP4" in algo):
-        return "modelopt_fp4"
-    if algo == "FP8":
-        return "modelopt_fp8"
-    if algo == "MXFP8":
-        return "mxfp8"
-    return None
-
-
 def hf_quant_method(model: Any) -> str | None:
     """SGLang's ``get_quantization_config(hf_config)`` as the model phase sees it.
 
@@ -145,7 +127,7 @@ def hf_quant_method(model: Any) -> str | None:
         return None
     method = qc.get("quant_method")
     if method is None or method == "modelopt":
-        return _modelopt_method(qc) or method
+        return modelopt_method(qc) or method
     return method
 
 

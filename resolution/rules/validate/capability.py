@@ -9,7 +9,7 @@ architecture cannot chunk multimodal prefill turn chunked prefill off.
 
 from __future__ import annotations
 
-from flotilla.resolution.engine import reject, rule
+from flotilla.resolution.engine import rule
 from flotilla.resolution.model_derive import is_multimodal, multimodal_chunked_prefill_supported
 from flotilla.resolution.rules.normalise.cuda_graph import (
     BREAKABLE,
@@ -22,6 +22,7 @@ from flotilla.resolution.rules.normalise.cuda_graph import (
     prefill_graph_disabled,
     with_phase,
 )
+from flotilla.resolution.rules.normalise.validations import check_prefill_only_embedding_and_fp4
 
 
 def is_hrm_text(model) -> bool:
@@ -65,21 +66,6 @@ def embedding_architecture(view, model, platform):
     return None
 
 
-def _check_prefill_only_disable_kv_cache(view) -> None:
-    if not view.is_embedding:
-        reject(
-            "--prefill-only-disable-kv-cache currently requires --is-embedding. "
-            "Other prefill-only workloads may be supported in a future change once "
-            "their attention paths stop reading or writing the paged KV cache."
-        )
-    if view.kv_cache_dtype in ("nvfp4", "fp4_mx_block16"):
-        reject(
-            "--prefill-only-disable-kv-cache does not currently support "
-            "--kv-cache-dtype=nvfp4 or --kv-cache-dtype=fp4_mx_block16 because "
-            "the FP4 pool uses a separate allocation path."
-        )
-
-
 @rule(
     "_handle_model_capability_adjustments",
     overrides=(
@@ -100,7 +86,7 @@ def embedding_gemma_serving(view, model, platform):
     requested = view.prefill_attention_backend or view.attention_backend
     if platform.is_cuda and (platform.is_sm90 or platform.is_sm100) and requested in (None, "fa3", "fa4"):
         declared["prefill_only_disable_kv_cache"] = True
-        _check_prefill_only_disable_kv_cache(view)
+        check_prefill_only_embedding_and_fp4(view)
     return declared
 
 
