@@ -14,6 +14,7 @@ USAGE = """usage: flotilla <command> [options]
 commands:
   resolve   resolve the server configuration for a model and platform, and print it
   serve     start the OpenAI-compatible endpoint on a Ray cluster
+  bench     measure throughput (`flotilla bench offline`: the in-process engine, optionally vs HF)
 
 run `flotilla <command> --help` for a command's options.
 """
@@ -29,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flotilla.deploy.resolve_cmd import run_resolve
 
         return run_resolve(rest)
+    if command == "bench":
+        from flotilla.deploy.bench_cmd import run_bench
+
+        return run_bench(rest)
     if command == "serve":
         print(
             "flotilla serve: the serving endpoint is not built yet (it arrives with the "

@@ -81,9 +81,18 @@ def context_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def gather_kv(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's whole context from the paged cache: ``([B, max_seq_len, ...], valid[B, max_seq_len])``.
     Invalid (padding) positions hold arbitrary values."""
-    slots, valid = context_slots(meta)
-    flat = cache.view(-1, *cache.shape[2:])
-    return flat[slots.masked_fill(~valid, 0)], valid
+    blocks_needed = -(-meta.max_seq_len // meta.block_size)
+    if meta.block_tables.shape[1] < blocks_needed:
+        slots, valid = context_slots(meta)
+        flat = cache.view(-1, *cache.shape[2:])
+        return flat[slots.masked_fill(~valid, 0)], valid
+    # NOTE: gathering whole blocks (one index per block, not per token) is several times
+    # faster on CPU; the tail past each sequence's length is padding.
+    tables = meta.block_tables[:, :blocks_needed]
+    blocks = cache.flatten(1).index_select(0, tables.flatten())  # index_select: ~10x faster than cache[tables]
+    context = blocks.view(meta.num_seqs, blocks_needed * meta.block_size, *cache.shape[2:])[:, : meta.max_seq_len]
+    positions = torch.arange(meta.max_seq_len, device=meta.seq_lens.device)
+    return context, positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1)
 
 
 def causal_context_mask(meta: AttentionMetadata) -> torch.Tensor:
@@ -142,14 +151,17 @@ def paged_attention(
     write_kv(v_cache, meta.slot_mapping, v)
     keys, valid = gather_kv(k_cache, meta)  # [B, L, Hkv, D]
     values, _ = gather_kv(v_cache, meta)
-    mask = causal_context_mask(meta)  # [B, Q, L]
+    # NOTE: a decode's one new token is the last of its context, so causality is just validity.
+    mask = valid.unsqueeze(1) if meta.is_decode else causal_context_mask(meta)  # [B, Q, L]
     if sliding_window is not None:
         q_pos = (meta.seq_lens - meta.query_lens).unsqueeze(1) + torch.arange(meta.max_query_len).unsqueeze(0)
         k_pos = torch.arange(meta.max_seq_len)
         mask &= k_pos.view(1, 1, -1) > (q_pos.unsqueeze(2) - sliding_window)
     queries = pad_queries(q, meta).transpose(1, 2)  # [B, Hq, Q, D]
-    groups = q.shape[1] // k.shape[1]
-    keys = keys.transpose(1, 2).to(q.dtype).repeat_interleave(groups, dim=1)  # [B, Hq, L, D]
-    values = values.transpose(1, 2).to(q.dtype).repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask.unsqueeze(1), scale=scale)
+    keys = keys.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    values = values.transpose(1, 2).to(q.dtype)
+    # NOTE: enable_gqa shares each K/V head among its Hq/Hkv query heads without copying them.
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return unpad_queries(out.transpose(1, 2), meta)

@@ -1,0 +1,157 @@
+"""``LLM``: offline generation in this process (no Ray), shaped like vLLM's ``LLM``.
+
+    from flotilla import LLM, SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(out[0].outputs[0].text)
+    llm.chat([{"role": "user", "content": "What is the capital of France?"}])
+
+The server configuration is resolved ONCE, in the constructor, from the same
+flags ``flotilla serve`` takes (as keyword arguments: ``LLM(model, max_total_tokens=4096,
+chunked_prefill_size=512)``), the model's config.json and this machine's probed
+platform facts; ``llm.config`` holds the frozen result.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from flotilla.cluster.engine.llm_engine import LLMEngine
+from flotilla.cluster.engine.outputs import RequestOutput
+from flotilla.cluster.engine.sampling_params import SamplingParams, as_param_list
+from flotilla.cluster.models.sources import ModelSource, resolve_model_source
+from flotilla.cluster.platform import probe
+from flotilla.resolution import ModelFacts, PlatformFacts, ServerArgs, resolve
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """An in-process engine over one model.
+
+    Args:
+        model: ``None`` or ``"smollm2"`` (the embedded default), a local HF model directory,
+            or a ``.gguf`` file. Nothing is downloaded.
+        platform: platform facts to resolve for (default: probe this machine).
+        **server_flags: any server field by its ``ServerArgs`` name (``dtype``,
+            ``max_total_tokens``, ``chunked_prefill_size``, ``context_length``,
+            ``max_running_requests``, ``page_size``, ``disable_radix_cache``, ``random_seed``,
+            ``tokenizer_path``, ``skip_tokenizer_init``, ...).
+    """
+
+    def __init__(self, model: str | None = None, *, platform: PlatformFacts | None = None, **server_flags: Any):
+        model = server_flags.pop("model_path", model)
+        self.source: ModelSource = resolve_model_source(model)
+        args = ServerArgs.create(model_path=str(self.source.path), **server_flags)
+        self.config = resolve(args, ModelFacts.from_hf_config(self.source.config_dict), platform or probe())
+        self._tokenizer_error: str | None = None
+        self.tokenizer = None if self.config.skip_tokenizer_init else self._load_tokenizer()
+        self.engine = LLMEngine(self.config, self.source, self.tokenizer)
+
+    def _load_tokenizer(self) -> Any:
+        from flotilla.cluster.models.tokenizer import load_tokenizer
+
+        where = self.config.tokenizer_path
+        target = self.source if where in (None, "", str(self.source.path)) else where
+        try:
+            return load_tokenizer(target)
+        except ValueError as exc:
+            # NOTE: a checkpoint without tokenizer files still serves token-id prompts.
+            self._tokenizer_error = str(exc)
+            logger.warning("no tokenizer, token-id prompts only: %s", exc)
+            return None
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- generation ----------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; returns one :class:`RequestOutput` per prompt, in order.
+
+        ``prompts``: a string, a list of strings, a list of token-id lists, or
+        ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` dicts (vLLM's forms).
+        """
+        items = _prompt_list(prompts)
+        params = as_param_list(sampling_params, len(items))
+        encoded = [self._encode(p) for p in items]
+        return self._run(encoded, params)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role", "content"}`` messages) or to
+        several (a list of such lists), through the tokenizer's chat template."""
+        tokenizer = self._require_tokenizer("messages")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not conversations or any(not c for c in conversations):
+            raise ValueError("messages: give at least one message per conversation")
+        texts = [
+            tokenizer.apply_chat_template(
+                list(c), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            for c in conversations
+        ]
+        # NOTE: the template already holds the special tokens; encode without adding more.
+        encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+        return self._run(encoded, as_param_list(sampling_params, len(encoded)))
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestOutput]:
+        added: list[str] = []
+        try:
+            for (text, token_ids), p in zip(encoded, params):
+                added.append(self.engine.add_request(token_ids, p, prompt=text))
+        except Exception:
+            for request_id in added:  # all or nothing: a bad prompt queues none of the batch
+                self.engine.abort(request_id)
+                self.engine.step()
+                self.engine.pop_output(request_id)
+            raise
+        pending = set(added)
+        while pending:
+            for delta in self.engine.step():
+                if delta.finish_reason is not None and self.engine.get_output(delta.request_id).finished:
+                    pending.discard(delta.request_id)
+        return [self.engine.pop_output(request_id) for request_id in added]
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompts: a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            return prompt, list(self._require_tokenizer("prompts").encode(prompt))
+        return None, [int(t) for t in prompt]
+
+    def _require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            reason = self._tokenizer_error or "skip_tokenizer_init is set"
+            raise ValueError(f"{what}: text needs a tokenizer, and this LLM has none ({reason}); pass token ids")
+        return self.tokenizer
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts: give at least one prompt")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as a flat token-id list
+    return prompts

@@ -1,0 +1,356 @@
+"""``LLMEngine``: requests in, token deltas out, one ``step()`` at a time.
+
+A step is three calls: ``scheduler.schedule()`` picks the requests and token
+counts, ``runner.execute()`` runs the forward pass and samples, and
+``_update()`` appends the tokens, detokenizes them, checks the stop conditions
+and finishes requests (which frees their blocks at once). ``n > 1`` requests are
+``n`` child sequences over the same prompt: the prefix cache shares the prompt's
+full blocks among them.
+
+Bad input (empty prompt, a prompt that does not fit the context, bad sampling
+parameters, unknown stop token ids) raises ``ValueError`` from
+:meth:`LLMEngine.add_request` before anything is queued, so the engine keeps
+serving the requests it has.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback
+from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
+from flotilla.cluster.engine.outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput, StepLogprobs
+from flotilla.cluster.engine.request import Request, RequestStatus
+from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
+from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.cluster.models.sources import ModelSource
+from flotilla.resolution import ModelFacts, ResolvedConfig
+
+# Requests running at once when --max-running-requests is not given.
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> SchedulerConfig:
+    """The scheduler's budgets from the resolved config and the KV pool that was allocated.
+
+    ``--chunked-prefill-size`` is the step token budget (``-1`` turns chunking off, and the
+    budget becomes ``--max-prefill-tokens``); ``--max-running-requests`` caps running requests
+    (default 256, lowered to the step budget so each can decode every step);
+    ``--disable-radix-cache`` turns prefix caching off.
+    """
+    chunk = config.chunked_prefill_size
+    chunked = chunk is not None and chunk > 0
+    budget = chunk if chunked else int(config.max_prefill_tokens or 16384)
+    max_seqs = config.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, budget)
+    return SchedulerConfig(
+        num_blocks=kv.num_blocks,
+        block_size=kv.block_size,
+        max_num_seqs=int(max_seqs),
+        max_num_batched_tokens=int(budget),
+        enable_prefix_caching=not config.disable_radix_cache,
+        enable_chunked_prefill=chunked,
+    )
+
+
+@dataclass
+class _Sequence:
+    """One completion being generated (engine-side state next to the scheduler's Request)."""
+
+    request: Request
+    parent: "_Parent"
+    params: SamplingParams
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    holdback: int
+    streamed_chars: int = 0
+
+
+@dataclass
+class _Parent:
+    """A user request: its prompt and its ``n`` completions."""
+
+    output: RequestOutput
+    sequences: list[_Sequence] = field(default_factory=list)
+    streaming: bool = False
+
+
+class LLMEngine:
+    """The offline engine (in-process, no Ray).
+
+    Args:
+        config: the resolved configuration (resolved once by the caller).
+        source: the model to load.
+        tokenizer: an HF tokenizer for detokenization and stop strings; without one,
+            completions carry token ids only (``text`` stays empty).
+        runner: a prebuilt :class:`ModelRunner` (built from ``config`` and ``source`` when None).
+    """
+
+    def __init__(self, config: ResolvedConfig, source: ModelSource, tokenizer: Any = None, runner: ModelRunner | None = None):
+        self.config = config
+        self.source = source
+        self.tokenizer = tokenizer
+        self.runner = runner or ModelRunner(config, source)
+        self.scheduler = Scheduler(scheduler_config_for(config, self.runner.kv_layout))
+        self.vocab_size = self.runner.vocab_size
+        self.context_len = int(config.context_length or ModelFacts.from_hf_config(source.config_dict).context_len or 2048)
+        self.eos_token_ids = _eos_ids(source.config_dict, tokenizer)
+        self._parents: dict[str, _Parent] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._pending: list[CompletionDelta] = []
+        self._backlog: dict[str, list[CompletionDelta]] = {}
+        self._ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Queue a request; returns its id. ValueError (naming the parameter) for bad input.
+
+        ``stream=True`` keeps this request's deltas for :meth:`stream` while other
+        requests are being streamed.
+        """
+        params = params or SamplingParams()
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use; request ids must be unique")
+        max_tokens = self._validate(prompt_token_ids, params)
+        output = RequestOutput(request_id, prompt, prompt_token_ids, [])
+        parent = _Parent(output, streaming=stream)
+        children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
+        requests = []
+        for index, child in enumerate(children):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            if child_id in self._sequences:
+                raise ValueError(f"request_id {request_id!r} clashes with a live completion {child_id!r}; use another id")
+            requests.append(Request(child_id, prompt_token_ids, max_tokens, sampling_params=child))
+        limit = self.scheduler.max_tokens_per_request()
+        if len(prompt_token_ids) + max_tokens > limit:
+            raise ValueError(
+                f"max_tokens: the request needs {len(prompt_token_ids) + max_tokens} tokens of KV cache "
+                f"({len(prompt_token_ids)} prompt + max_tokens={max_tokens}), more than the {limit} one request may "
+                f"use here; lower max_tokens or raise --max-total-tokens"
+            )
+        for index, (child, request) in enumerate(zip(children, requests)):
+            self.scheduler.add(request)
+            completion = CompletionOutput(index, logprobs=[] if child.logprobs is not None else None)
+            if child.logprobs is not None:
+                completion.cumulative_logprob = 0.0
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.skip_special_tokens)
+            generator = self.runner.generator_for(child.seed) if child.seed is not None else None
+            seq = _Sequence(request, parent, child, completion, detok, generator, stop_holdback(child.stop_strings))
+            parent.sequences.append(seq)
+            output.outputs.append(completion)
+            self._sequences[request.request_id] = seq
+        self._parents[request_id] = parent
+        return request_id
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model; returns the effective max_tokens."""
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids: the prompt is empty; give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside this model's vocabulary (size {self.vocab_size})"
+            )
+        if len(prompt_token_ids) >= self.context_len:
+            raise ValueError(
+                f"prompt_token_ids: the prompt has {len(prompt_token_ids)} tokens, but the context length is "
+                f"{self.context_len} (max_position_embeddings or --context-length); the prompt must be shorter "
+                f"to leave room for at least one generated token"
+            )
+        params.verify_for_model(self.vocab_size)
+        room = self.context_len - len(prompt_token_ids)
+        if params.max_tokens is None:
+            # NOTE: "until the context is full", but never more than one request may hold.
+            room = min(room, self.scheduler.max_tokens_per_request() - len(prompt_token_ids))
+            return max(room, 1)
+        return min(params.max_tokens, room)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (all its completions); its KV blocks are free on return.
+        Returns False when no unfinished request has this id."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return False
+        aborted = False
+        for seq in parent.sequences:
+            if seq.completion.finish_reason is None and self.scheduler.abort(seq.request.request_id):
+                self._finish(seq, "abort", None)
+                delta = CompletionDelta(request_id, seq.completion.index, [], "", None, "abort")
+                self._keep_for_stream(delta)
+                self._pending.append(delta)
+                aborted = True
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        """The request's output so far (complete once ``finished``)."""
+        parent = self._parents[request_id]
+        first = parent.sequences[0].request
+        parent.output.num_cached_tokens = first.num_cached_prompt_tokens
+        return parent.output
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """:meth:`get_output`, then forget a finished request."""
+        output = self.get_output(request_id)
+        if not output.finished:
+            raise ValueError(f"request_id {request_id!r} has not finished; abort it first")
+        del self._parents[request_id]
+        self._backlog.pop(request_id, None)
+        return output
+
+    # -- the step ----------------------------------------------------------------
+
+    def step(self) -> list[CompletionDelta]:
+        """Run one engine step; returns what each completion gained (plus aborts since the last step)."""
+        deltas, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            return deltas
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return deltas
+        sampling = [item.request for item in step.scheduled if item.samples]
+        rows = [self._sampling_row(self._sequences[r.request_id]) for r in sampling]
+        tokens = self.runner.execute(step, rows)
+        by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
+        advanced = self.scheduler.update(step, {rid: t.token_id for rid, t in by_id.items()})
+        for request in advanced:
+            delta = self._update(self._sequences[request.request_id], by_id[request.request_id])
+            self._keep_for_stream(delta)
+            deltas.append(delta)
+        return deltas
+
+    def _keep_for_stream(self, delta: CompletionDelta) -> None:
+        parent = self._parents.get(delta.request_id)
+        if parent is not None and parent.streaming:
+            self._backlog.setdefault(delta.request_id, []).append(delta)
+
+    def _sampling_row(self, seq: _Sequence) -> SamplingRow:
+        request = seq.request
+        return SamplingRow(seq.params, request.all_token_ids, request.num_prompt_tokens, seq.generator)
+
+    def _update(self, seq: _Sequence, sampled: SampledToken) -> CompletionDelta:
+        """Record one sampled token of ``seq``; check the stop conditions; return its delta."""
+        params, completion, token = seq.params, seq.completion, sampled.token_id
+        completion.token_ids.append(token)
+        step_logprobs = self._record_logprobs(completion, sampled) if params.logprobs is not None else None
+        finish, stop_reason = None, None
+        if token in self.eos_token_ids and not params.ignore_eos:
+            finish = "stop"
+        elif token in params.stop_token_ids:
+            finish, stop_reason = "stop", token
+        if seq.detokenizer is not None and (finish is None or params.include_stop_str_in_output):
+            new_text = seq.detokenizer.add(token)
+            completion.text += new_text
+            if finish is None and params.stop_strings:
+                match = find_stop_string(completion.text, len(new_text), params.stop_strings)
+                if match is not None:
+                    stop, start = match
+                    end = start + len(stop) if params.include_stop_str_in_output else start
+                    completion.text = completion.text[:end]
+                    finish, stop_reason = "stop", stop
+        if finish is None and seq.request.reached_max_tokens:
+            finish = "length"
+            if seq.detokenizer is not None:
+                completion.text += seq.detokenizer.flush()
+        if finish is not None:
+            self.scheduler.finish(seq.request.request_id, _FINISH_STATUS[finish])
+            self._finish(seq, finish, stop_reason)
+        visible = len(completion.text) if finish is not None else max(len(completion.text) - seq.holdback, seq.streamed_chars)
+        text, seq.streamed_chars = completion.text[seq.streamed_chars : visible], visible
+        delta = CompletionDelta(
+            seq.parent.output.request_id,
+            completion.index,
+            [token],
+            text,
+            [step_logprobs] if step_logprobs is not None else None,
+            finish,
+            stop_reason,
+        )
+        return delta
+
+    def _record_logprobs(self, completion: CompletionOutput, sampled: SampledToken) -> StepLogprobs:
+        decode = self._token_text
+        entry: StepLogprobs = {
+            token: Logprob(lp, rank, decode(token)) for rank, (token, lp) in enumerate(sampled.top_logprobs or [], 1)
+        }
+        entry.setdefault(sampled.token_id, Logprob(sampled.logprob, sampled.rank, decode(sampled.token_id)))
+        completion.logprobs.append(entry)
+        completion.cumulative_logprob += sampled.logprob
+        return entry
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _finish(self, seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.completion.finish_reason = reason
+        seq.completion.stop_reason = stop_reason
+        del self._sequences[seq.request.request_id]
+        parent = seq.parent
+        parent.output.finished = all(s.completion.finish_reason is not None for s in parent.sequences)
+
+    # -- streaming -----------------------------------------------------------------
+
+    def iter_outputs(self) -> Iterator[CompletionDelta]:
+        """Step until every request has finished, yielding each delta as it is made."""
+        while self.scheduler.has_unfinished() or self._pending:
+            yield from self.step()
+
+    def stream(self, request_id: str) -> Iterator[CompletionDelta]:
+        """The deltas of one request until it finishes, stepping the engine as needed.
+
+        Deltas of other requests added with ``stream=True`` wait in their own backlog for
+        their own :meth:`stream`; a request streamed after it started loses nothing either
+        when it was added with ``stream=True``.
+        """
+        parent = self._parents.get(request_id)
+        if parent is None:
+            raise ValueError(f"request_id {request_id!r} is not known to the engine")
+        parent.streaming = True
+        while True:
+            yield from self._backlog.pop(request_id, [])
+            if parent.output.finished:
+                return
+            self.step()
+
+    # -- metrics ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Prefix-cache hit rate, preemptions, running/waiting counts and KV usage."""
+        pool = self.scheduler.pool
+        return {
+            "prefix_cache_hit_rate": pool.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": pool.usage,
+        }
+
+
+def _eos_ids(hf_config: dict, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids: config.json's ``eos_token_id`` (int or list) and the tokenizer's."""
+    ids = hf_config.get("eos_token_id")
+    found = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        found.add(eos)
+    return frozenset(int(i) for i in found)

@@ -1,0 +1,184 @@
+"""The model side of one engine step: build the model and its paged KV cache once,
+then turn each :class:`SchedulerOutput` into one forward pass and sampled tokens.
+
+Per step the runner flattens the scheduled requests into a varlen batch
+(``input_ids``, ``positions`` and :class:`AttentionMetadata`), runs the forward
+pass, keeps the hidden state of the LAST new token of each request that samples
+this step (a partial prefill chunk samples nothing), projects only those rows to
+logits and hands them to the :class:`Sampler`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
+from flotilla.cluster.engine.scheduler import SchedulerOutput
+from flotilla.cluster.engine.weight_packing import pack_linear_layers
+from flotilla.cluster.models.sources import ModelSource, load_model
+from flotilla.kernels import registry
+from flotilla.kernels.attention import AttentionMetadata
+from flotilla.resolution import ResolvedConfig
+
+# KV cache capacity on CPU when --max-total-tokens is not given.
+DEFAULT_CPU_KV_TOKENS = 8192
+# Block size when the resolved page_size is 1 (a token-granular pool, which the
+# torch backend does not need): 16 tokens, vLLM's default.
+DEFAULT_BLOCK_SIZE = 16
+
+# Resolution names SGLang's attention backends; these run on the torch reference.
+_TORCH_ATTENTION_BACKENDS = {"torch_native", "torch", "intel_amx", "triton", "flex_attention"}
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What the KV pool looks like (a runtime fact, not part of the resolved config).
+
+    Attributes:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
+        bytes_per_token: cache bytes one token takes across all layers.
+    """
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def block_size_for(config: ResolvedConfig) -> int:
+    """The resolved ``page_size`` when it is above 1, else :data:`DEFAULT_BLOCK_SIZE`."""
+    page_size = config.page_size or 1
+    return page_size if page_size > 1 else DEFAULT_BLOCK_SIZE
+
+
+def kernel_backend_for(config: ResolvedConfig) -> str:
+    """The kernel-registry backend for the resolved ``attention_backend``: the same name when a
+    backend of that name is registered, the torch reference for SGLang's CPU/torch backends."""
+    name = config.attention_backend or "torch_native"
+    if name in registry.backends("paged_attention"):
+        return name
+    if name in _TORCH_ATTENTION_BACKENDS or config.device == "cpu":
+        return "torch"
+    registry.get("paged_attention", name)  # raises the registry's "not available here" error
+    return name
+
+
+class ModelRunner:
+    """Owns the model, its KV caches and the sampler of one rank.
+
+    Args:
+        config: the resolved configuration (dtype, device, page size, max_total_tokens,
+            mem_fraction_static, random_seed).
+        source: where the model's config and weights are.
+        pack_weights: on CPU, pre-pack linear weights for oneDNN (about 2x faster decode
+            GEMMs; see :mod:`flotilla.cluster.engine.weight_packing`).
+    """
+
+    def __init__(self, config: ResolvedConfig, source: ModelSource, pack_weights: bool = True):
+        self.config = config
+        self.device = torch.device(config.device or "cpu")
+        self.model = load_model(
+            source, config.dtype or "auto", device=self.device, attention_backend=kernel_backend_for(config)
+        )
+        if pack_weights and self.device.type == "cpu":
+            pack_linear_layers(self.model)
+        self.vocab_size = int(source.config_dict["vocab_size"])
+        spec = self.model.kv_cache_spec()
+        block_size = block_size_for(config)
+        num_tokens = self._kv_cache_tokens(spec.bytes_per_token())
+        self.kv_layout = KVCacheLayout(max(1, num_tokens // block_size), block_size, spec.bytes_per_token())
+        with torch.inference_mode():
+            self.kv_caches = spec.allocate(self.kv_layout.num_blocks, block_size, self.device)
+        generator = None
+        if config.random_seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
+        self.sampler = Sampler(generator)
+
+    def _kv_cache_tokens(self, bytes_per_token: int) -> int:
+        if self.config.max_total_tokens:
+            return int(self.config.max_total_tokens)
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        fraction = self.config.mem_fraction_static or 0.88
+        # NOTE: what is already in use (weights, other processes) comes off the static share.
+        budget = int(total * fraction) - (total - free)
+        if budget < bytes_per_token * DEFAULT_BLOCK_SIZE:
+            raise ValueError(
+                f"mem_fraction_static={fraction} leaves no room for the KV cache on {self.device} "
+                f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB); raise --mem-fraction-static"
+            )
+        return budget // bytes_per_token
+
+    def generator_for(self, seed: int) -> torch.Generator:
+        """A fresh generator on this runner's device, for a request with ``seed``."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # -- the step ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Run one step; returns one token per scheduled request that samples (in schedule
+        order), sampled with ``rows`` (one per such request, same order)."""
+        input_ids, positions, meta, sample_index = self.prepare_inputs(step)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not rows:
+            return []
+        if len(rows) != sample_index.shape[0]:
+            raise ValueError(f"{len(rows)} sampling rows for {sample_index.shape[0]} sampling requests")
+        logits = self.model.compute_logits(hidden.index_select(0, sample_index))
+        return self.sampler(logits, rows)
+
+    def prepare_inputs(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """``(input_ids[T], positions[T], meta, sample_index[N])`` of a step, where
+        ``sample_index`` holds the flat index of the last new token of each sampling request."""
+        block_size = self.kv_layout.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_index: list[int] = []
+        for item in step.scheduled:
+            request, start, count = item.request, item.start_position, item.num_new_tokens
+            end = start + count
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = request.block_ids
+            # NOTE: slots of the new tokens, one block run at a time (a decode touches one block).
+            for block_index in range(start // block_size, (end - 1) // block_size + 1):
+                base = blocks[block_index] * block_size
+                lo = max(start, block_index * block_size) - block_index * block_size
+                hi = min(end, (block_index + 1) * block_size) - block_index * block_size
+                slots.extend(range(base + lo, base + hi))
+            query_start.append(query_start[-1] + count)
+            seq_lens.append(end)
+            tables.append(blocks[: (end + block_size - 1) // block_size])
+            if item.samples:
+                sample_index.append(query_start[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start=torch.tensor(query_start, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            max_query_len=max(item.num_new_tokens for item in step.scheduled),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            meta,
+            torch.tensor(sample_index, dtype=torch.long, device=device),
+        )

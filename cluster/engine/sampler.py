@@ -1,0 +1,198 @@
+"""Batched token sampling over one step's logits ``[B, V]`` (float32).
+
+The order of operations, per row (each row carries its own ``SamplingParams``):
+
+1. logprobs, when asked for, are taken from ``log_softmax`` of the model's RAW
+   logits: before penalties, temperature and truncation (vLLM's default
+   "raw_logprobs"; it tells the caller what the model believed, independent of
+   how the token was then picked);
+2. penalties: repetition (HF/CTRL-style, over prompt and output tokens: a positive
+   logit is divided by the penalty, a negative one multiplied), then presence and
+   frequency (OpenAI-style, over output tokens only: ``logit -= presence * [count>0]
+   + frequency * count``). Greedy rows get penalties too, as in HF and vLLM;
+3. greedy rows (temperature 0) take the argmax here;
+4. temperature, then top-k, then top-p over the renormalised top-k set, then min-p
+   (relative to the most likely remaining token);
+5. a draw by the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``: a row with a
+   seed draws its noise from its own ``torch.Generator``, so its tokens depend only on
+   its seed and its own history, never on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from flotilla.cluster.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits and what sampling needs to know about its request.
+
+    Attributes:
+        params: the request's sampling parameters.
+        token_ids: prompt followed by the tokens generated so far (for penalties).
+        num_prompt_tokens: how many of ``token_ids`` are the prompt.
+        generator: the request's own generator when it has a seed, else ``None``
+            (the sampler's shared generator is used).
+    """
+
+    params: SamplingParams
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SampledToken:
+    """The token chosen for one row, with logprobs when the row asked for them.
+
+    Attributes:
+        token_id: the chosen token.
+        logprob: its raw logprob (``None`` unless asked for).
+        top_logprobs: the ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, best first.
+        rank: the chosen token's rank among all tokens (1 = most likely).
+    """
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None
+
+
+class Sampler:
+    """Picks one token per row of a ``[B, V]`` logits tensor (see the module docstring).
+
+    ``generator`` is used for rows without a seed (pass a seeded one for a
+    reproducible engine-wide stream, e.g. from ``--random-seed``).
+    """
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        return self.sample(logits, rows)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows were given")
+        logits = logits.float()
+        wants_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits.clone(), rows)
+        token_ids = self._choose(logits, rows)
+        ids = token_ids.tolist()
+        if raw_logprobs is None:
+            return [SampledToken(t) for t in ids]
+        return _with_logprobs(ids, raw_logprobs, rows, token_ids)
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        chosen = logits.argmax(dim=-1)
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        sub_rows = [rows[i] for i in sampled]
+        probs = truncated_probs(logits.index_select(0, index), [r.params for r in sub_rows])
+        noise = self._exponential_noise(probs, sub_rows)
+        chosen[index] = (probs / noise).argmax(dim=-1)
+        return chosen
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            draw = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=self.generator)
+            noise[unseeded] = draw
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                # NOTE: one draw of V values per step from the row's own generator keeps a seeded
+                # request's stream independent of the batch it shares.
+                noise[i].exponential_(generator=row.generator)
+        # Exp(1) samples can be exactly 0 in float32; keep the division finite.
+        return noise.clamp_(min=1e-20)
+
+
+def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p per row; returns probabilities ``[B, V]``
+    with truncated tokens at exactly 0."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature.unsqueeze(1)
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    device = logits.device
+    position = torch.arange(logits.shape[1], device=device).unsqueeze(0)
+    k = torch.tensor(top_k, device=device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(position >= k, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    p = torch.tensor(top_p, dtype=logits.dtype, device=device).unsqueeze(1)
+    # NOTE: the most likely token always survives (its mass_before is 0 < top_p).
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties, in place on ``logits[B, V]``."""
+    batch, vocab = logits.shape
+    device = logits.device
+    seen_all = _token_matrix([r.token_ids for r in rows], vocab, device)  # prompt + output
+    seen_out = _token_matrix([r.token_ids[r.num_prompt_tokens :] for r in rows], vocab, device)
+    out_counts = torch.zeros(batch, vocab + 1, device=device).scatter_add_(
+        1, seen_out, torch.ones_like(seen_out, dtype=torch.float32)
+    )[:, :vocab]
+    repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
+    if (repetition != 1.0).any():
+        present = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device).scatter_(1, seen_all, True)[:, :vocab]
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(present, penalised, logits)
+    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
+    return logits - presence * (out_counts > 0) - frequency * out_counts
+
+
+def _token_matrix(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """Right-pad token lists into ``[B, L]`` with the out-of-vocabulary id ``vocab``."""
+    width = max((len(x) for x in lists), default=0) or 1
+    out = torch.full((len(lists), width), vocab, dtype=torch.long, device=device)
+    for i, ids in enumerate(lists):
+        if len(ids):
+            out[i, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long, device=device)
+    return out
+
+
+def _with_logprobs(
+    ids: list[int], raw_logprobs: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+) -> list[SampledToken]:
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [B, 1]
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+    max_top = max(r.params.logprobs or 0 for r in rows)
+    top_values, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    out = []
+    for i, row in enumerate(rows):
+        if row.params.logprobs is None:
+            out.append(SampledToken(ids[i]))
+            continue
+        k = row.params.logprobs
+        top = list(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist())) if k else []
+        out.append(SampledToken(ids[i], float(chosen[i, 0]), top, int(ranks[i])))
+    return out
