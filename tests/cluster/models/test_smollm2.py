@@ -124,6 +124,42 @@ def test_greedy_answer_matches_transformers_and_names_paris(ours, hf, tokenizer,
     assert generated[-1] == tokenizer.eos_token_id
 
 
+def _hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,  # same as ignore_eos on our side
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_32_tokens_match_transformers_single_and_mixed_batch(source, hf, tokenizer, prompt_ids):
+    """32-token greedy continuations through the whole engine equal HF's, for one
+    prompt alone and for a mixed batch of different lengths sharing the engine with a
+    16-token step budget (chunked prefill) and a KV pool too small for all of them at
+    once (preemption by recompute)."""
+    from flotilla import LLM, SamplingParams
+
+    prompts = [
+        prompt_ids,
+        tokenizer.encode("The three primary colors are"),
+        tokenizer.encode("def fibonacci(n):\n    "),
+        list(range(100, 140)),
+    ]
+    expected = [_hf_greedy(hf, p, 32) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    alone = LLM(str(source.path))
+    (single,) = alone.generate([prompts[0]], params)
+    assert list(single.outputs[0].token_ids) == expected[0]
+    tight = LLM(str(source.path), chunked_prefill_size=16, max_total_tokens=160, page_size=16)
+    outputs = tight.generate(prompts, params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
 def test_tokenizer_renders_the_chat_template(tokenizer, prompt_ids):
     text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\n")
