@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.kernels import registry as kernels
 
 
 @dataclass
@@ -118,37 +119,18 @@ class Sampler:
         return noise.clamp_(min=1e-20)
 
 
-def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p per row; returns probabilities ``[B, V]``
-    with truncated tokens at exactly 0."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-    logits = logits / temperature.unsqueeze(1)
-    vocab = logits.shape[1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    device = logits.device
-    position = torch.arange(logits.shape[1], device=device).unsqueeze(0)
-    k = torch.tensor(top_k, device=device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(position >= k, float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    p = torch.tensor(top_p, dtype=logits.dtype, device=device).unsqueeze(1)
-    # NOTE: the most likely token always survives (its mass_before is 0 < top_p).
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams], backend: str = "torch") -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p per row (the ``sampling_probs`` kernel
+    op); returns probabilities ``[B, V]`` with truncated tokens at exactly 0."""
+    device, vocab = logits.device, logits.shape[1]
+    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+    return kernels.get("sampling_probs", backend)(
+        logits,
+        as_tensor([p.temperature for p in params], logits.dtype),
+        as_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long),
+        as_tensor([p.top_p for p in params], logits.dtype),
+        as_tensor([p.min_p for p in params], logits.dtype),
+    )
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
