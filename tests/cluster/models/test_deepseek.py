@@ -19,7 +19,7 @@ from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 from flotilla.cluster.models.base import ModelConfig
 from flotilla.cluster.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from flotilla.cluster.models.loader import iter_hf_weights
-from flotilla.kernels.attention import AttentionMetadata
+from helpers.paged import PagedRunner
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -79,49 +79,6 @@ def one_intra_op_thread():
 
 
 # --------------------------------------------------------------------------- paged-step helper
-# NOTE: the same small helper as test_moe_models.py; tests/helpers is not this file's to extend.
-
-
-def build_meta(chunks: list[tuple[int, int]], block_tables: list[list[int]]) -> AttentionMetadata:
-    """Sequence ``b`` adds ``chunks[b] = (start, count)`` tokens; its blocks are ``block_tables[b]``."""
-    slots, query_start, seq_lens = [], [0], []
-    for (start, count), blocks in zip(chunks, block_tables):
-        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + count)]
-        query_start.append(query_start[-1] + count)
-        seq_lens.append(start + count)
-    width = max(len(b) for b in block_tables)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start=torch.tensor(query_start),
-        seq_lens=torch.tensor(seq_lens),
-        block_tables=torch.tensor([b + [0] * (width - len(b)) for b in block_tables]),
-        max_query_len=max(c for _, c in chunks),
-        max_seq_len=max(seq_lens),
-        block_size=BLOCK_SIZE,
-    )
-
-
-class PagedRunner:
-    """Steps a model over a paged latent cache; sequence ``b`` owns interleaved blocks."""
-
-    def __init__(self, model, num_seqs: int, max_len: int):
-        per_seq = -(-max_len // BLOCK_SIZE)
-        self.model = model
-        self.caches = model.kv_cache_spec().allocate(num_seqs * per_seq + 1, BLOCK_SIZE)
-        self.tables = [[b + i * num_seqs + 1 for i in range(per_seq)] for b in range(num_seqs)]
-        self.lens = [0] * num_seqs
-
-    @torch.no_grad()
-    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        seqs = sorted(new_tokens)
-        chunks = [(self.lens[s], len(new_tokens[s])) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in new_tokens[s]])
-        positions = torch.cat([torch.arange(start, start + n) for start, n in chunks])
-        meta = build_meta(chunks, [self.tables[s] for s in seqs])
-        logits = self.model.compute_logits(self.model(ids, positions, self.caches, meta))
-        for s in seqs:
-            self.lens[s] += len(new_tokens[s])
-        return dict(zip(seqs, logits.split([n for _, n in chunks])))
 
 
 def build_pair(case: str):
@@ -149,7 +106,7 @@ def prompts_for(vocab: int) -> list[list[int]]:
 def test_ragged_prefill_logits_and_greedy_decode_match_hf(case):
     hf_model, ours = build_pair(case)
     prompts = prompts_for(hf_model.config.vocab_size)
-    runner = PagedRunner(ours, len(prompts), max(PROMPT_LENS) + NEW_TOKENS)
+    runner = PagedRunner(ours, len(prompts), max(PROMPT_LENS) + NEW_TOKENS, BLOCK_SIZE)
     prefill = runner.step(dict(enumerate(prompts)))  # both prompts in one varlen step
     outputs = [[int(prefill[b][-1].argmax())] for b in range(len(prompts))]
     for _ in range(NEW_TOKENS - 1):
