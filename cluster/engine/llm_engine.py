@@ -41,13 +41,15 @@ def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> Scheduler
 
     ``--chunked-prefill-size`` is the step token budget (``-1`` turns chunking off, and the
     budget becomes ``--max-prefill-tokens``); ``--max-running-requests`` caps running requests
-    (default 256, lowered to the step budget so each can decode every step);
+    (default 256; capped at the step budget so each can decode every step);
     ``--disable-radix-cache`` turns prefix caching off.
     """
     chunk = config.chunked_prefill_size
     chunked = chunk is not None and chunk > 0
     budget = chunk if chunked else int(config.max_prefill_tokens or 16384)
-    max_seqs = config.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, budget)
+    # NOTE: every running request decodes one token per step, so no more than the step
+    # budget can run at once; a larger --max-running-requests is capped to it.
+    max_seqs = min(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS, budget)
     return SchedulerConfig(
         num_blocks=kv.num_blocks,
         block_size=kv.block_size,

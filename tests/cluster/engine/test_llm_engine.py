@@ -244,3 +244,16 @@ def test_find_stop_string_looks_only_at_new_text_and_picks_the_earliest():
     assert find_stop_string("abcdef", 2, ["cd", "ef"]) == ("ef", 4)
     assert find_stop_string("abcdef", 1, ["ab"]) is None
     assert find_stop_string("xxSTOP", 1, ["STOP"]) == ("STOP", 2)
+
+
+def test_max_running_requests_is_capped_at_the_step_budget():
+    from types import SimpleNamespace
+
+    from flotilla.cluster.engine.llm_engine import scheduler_config_for
+    from flotilla.cluster.engine.model_runner import KVCacheLayout
+
+    kv = KVCacheLayout(num_blocks=64, block_size=16, bytes_per_token=1)
+    config = SimpleNamespace(chunked_prefill_size=128, max_prefill_tokens=16384, max_running_requests=512, disable_radix_cache=False)
+    assert scheduler_config_for(config, kv).max_num_seqs == 128
+    config.max_running_requests = 8
+    assert scheduler_config_for(config, kv).max_num_seqs == 8
