@@ -24,10 +24,18 @@ from flotilla.kernels.attention import AttentionMetadata
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the tensor-parallel group (1/0 until the cluster work)."""
+    """This rank's place in the tensor-parallel group.
+
+    ``group`` is the communicator the layers reduce and gather through (a
+    :class:`flotilla.cluster.distributed.TPGroup`, or anything with its
+    ``all_reduce(x)`` / ``all_gather(x, dim)``); None on one rank.
+    NOTE: ``group`` is excluded from equality and hashing: two layouts describe the
+    same shard whatever live communicator they carry.
+    """
 
     tp_size: int = 1
     tp_rank: int = 0
+    group: Any = field(default=None, compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)

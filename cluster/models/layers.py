@@ -9,7 +9,12 @@ property of the layer, not of the model code. Today the layout is a single rank
 - :class:`MergedColumnParallelLinear` is several column-parallel projections
   stacked (gate/up; q/k/v), each loaded by its ``shard_id``;
 - :class:`RowParallelLinear` splits the input dimension and all-reduces its output;
+- :class:`QKVParallelLinear` splits attention heads, replicating KV heads when
+  there are fewer of them than ranks;
 - :class:`VocabParallelEmbedding` / :class:`ParallelLMHead` split the vocabulary.
+
+Across ranks the layers communicate through ``parallel.group`` (see
+:class:`flotilla.cluster.models.base.ParallelLayout`); on one rank none is needed.
 """
 
 from __future__ import annotations
@@ -99,12 +104,62 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("a merged projection needs the shard_id of the part being loaded")
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        part = loaded.narrow(0, self.parallel.tp_rank * size, size)
+        part = loaded.narrow(0, self._part_rank(shard_id) * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), part)  # type: ignore[arg-type]
+
+    def _part_rank(self, shard_id: int) -> int:
+        """Which slice of part ``shard_id`` this rank holds."""
+        return self.parallel.tp_rank
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split an output into its parts (this rank's slices)."""
         return tuple(y.split(self.output_sizes, dim=-1))
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: ``num_kv_heads / tp_size``, or 1 (replicated) when
+    there are fewer KV heads than ranks; ValueError when neither divides the other."""
+    if num_kv_heads >= tp_size:
+        return _divide(num_kv_heads, tp_size, "num_key_value_heads")
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tp_size={tp_size} is not a multiple of num_key_value_heads={num_kv_heads}")
+    return 1
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """The stacked ``[q; k; v]`` projection with heads split across ranks.
+
+    Rank ``r`` holds q heads ``[r*Hq/tp, (r+1)*Hq/tp)``. With at least as many KV
+    heads as ranks the KV heads are split the same way; with fewer, each KV head is
+    replicated on ``tp / Hkv`` consecutive ranks (rank ``r`` holds KV head
+    ``r // (tp / Hkv)``), which keeps every rank's q heads with the KV head they
+    attend to in the unsharded model.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        parallel: ParallelLayout = ParallelLayout(),
+        dtype: torch.dtype = torch.float32,
+    ):
+        tp = parallel.tp_size
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        self.output_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
+        # NOTE: skips MergedColumnParallelLinear.__init__: with replicated KV heads the
+        # per-rank width is not the full width / tp.
+        ColumnParallelLinear.__init__(self, in_features, sum(self.output_sizes) * tp, bias, parallel, dtype)
+        self.weight.weight_loader = self._load_part  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_part  # type: ignore[attr-defined]
+
+    def _part_rank(self, shard_id: int) -> int:
+        return self.parallel.tp_rank if shard_id == 0 else self.parallel.tp_rank // self.kv_replicas
 
 
 class RowParallelLinear(nn.Module):
@@ -123,7 +178,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.in_per_rank = _divide(in_features, parallel.tp_size, "in_features")
-        self.all_reduce = all_reduce
+        group = parallel.group
+        self.all_reduce = all_reduce if all_reduce is not None or group is None else group.all_reduce
         self.weight = _set_loader(
             nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False),
             self._load_cols,
@@ -164,15 +220,34 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
 
+    def _group(self):
+        if self.parallel.group is None:
+            raise ValueError(
+                f"tp_size={self.parallel.tp_size} needs a communicator: pass ParallelLayout(group=...) "
+                "(see flotilla.cluster.distributed.TPGroup)"
+            )
+        return self.parallel.group
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        raise NotImplementedError("vocab-parallel embedding across ranks arrives with the cluster work")
+        group = self._group()
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        # NOTE: ids owned by another rank look up row 0 and are zeroed, so the sum over
+        # ranks holds exactly one real row per token.
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return group.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to vocabulary logits (optionally tied to the embedding)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)[..., : self.vocab_size]
-        return logits.float()
+        logits = F.linear(hidden, self.weight)
+        if self.parallel.tp_size > 1:
+            # NOTE: every rank holds per_rank rows (the last zero-padded), so the gathered
+            # columns are the vocabulary in order followed by padding, cut below.
+            logits = self._group().all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size].float()

@@ -7,7 +7,9 @@ then a SiLU-gated MLP. What differs is read from the HF config into
 :class:`DecoderSettings`, with the per-architecture defaults declared on each
 ``*ForCausalLM`` class. Layers are flotilla's parallel-ready ones: q/k/v and
 gate/up are stacked in :class:`MergedColumnParallelLinear` projections and loaded
-by shard id, so tensor parallelism needs no change here.
+by shard id. Under tensor parallelism each rank holds ``num_heads / tp`` q heads
+and ``num_kv_heads / tp`` KV heads (one replicated KV head when ``tp`` exceeds
+``num_kv_heads``); o_proj and down_proj all-reduce through ``ParallelLayout.group``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from flotilla.cluster.models.base import KVCacheSpec, ModelConfig, ParallelLayou
 from flotilla.cluster.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
+    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
+    kv_heads_per_rank,
 )
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
@@ -180,7 +184,7 @@ class DenseDecoderForCausalLM(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         """K and V per layer, each ``(num_kv_heads on this rank, head_dim)`` per token."""
         s = self.settings
-        per_token = (s.num_kv_heads // self.config.parallel.tp_size, s.head_dim)
+        per_token = (kv_heads_per_rank(s.num_kv_heads, self.config.parallel.tp_size), s.head_dim)
         return KVCacheSpec(num_layers=s.num_layers, tensors_per_layer=(per_token, per_token), dtype=self.config.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -323,19 +327,14 @@ class DecoderAttention(nn.Module):
 
     def __init__(self, s: DecoderSettings, layer: int, parallel: ParallelLayout, dtype: torch.dtype, attention_op):
         super().__init__()
-        tp = parallel.tp_size
-        if s.num_heads % tp or s.num_kv_heads % tp:
-            raise ValueError(
-                f"num_attention_heads={s.num_heads} and num_key_value_heads={s.num_kv_heads} "
-                f"must both be divisible by tp_size={tp}"
-            )
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads // tp, s.num_kv_heads // tp, s.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias, parallel, dtype
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, s.head_dim
         self.rotary_dim = s.rotary_dim
         self.scale = s.head_dim**-0.5
         self.sliding_window = s.sliding_windows[layer]
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv_proj = MergedColumnParallelLinear(s.hidden_size, [q_size, kv_size, kv_size], s.qkv_bias, parallel, dtype)
-        self.o_proj = RowParallelLinear(q_size, s.hidden_size, s.o_bias, parallel, dtype)
+        self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, parallel, dtype)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype) if s.qk_norm else None
         self._attention = attention_op
