@@ -18,6 +18,7 @@ import torch
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.engine.weight_packing import pack_linear_layers
+from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.sources import ModelSource, load_model
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
@@ -79,13 +80,24 @@ class ModelRunner:
         source: where the model's config and weights are.
         pack_weights: on CPU, pre-pack linear weights for oneDNN (about 2x faster decode
             GEMMs; see :mod:`flotilla.cluster.engine.weight_packing`).
+        parallel: this rank's tensor-parallel layout (one rank when omitted).
     """
 
-    def __init__(self, config: ResolvedConfig, source: ModelSource, pack_weights: bool = True):
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        source: ModelSource,
+        pack_weights: bool = True,
+        parallel: ParallelLayout | None = None,
+    ):
         self.config = config
         self.device = torch.device(config.device or "cpu")
         self.model = load_model(
-            source, config.dtype or "auto", device=self.device, attention_backend=kernel_backend_for(config)
+            source,
+            config.dtype or "auto",
+            device=self.device,
+            attention_backend=kernel_backend_for(config),
+            parallel=parallel or ParallelLayout(),
         )
         if pack_weights and self.device.type == "cpu":
             pack_linear_layers(self.model)

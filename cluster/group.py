@@ -1,0 +1,192 @@
+"""A group of :class:`~flotilla.cluster.worker.Worker` actors, one per rank, driven
+through one RPC seam.
+
+The driver resolves the config once; :class:`WorkerGroup` puts it in the object
+store once, reserves a STRICT_PACK placement group (one bundle per rank), starts
+one actor per rank in it, has every rank accept the config and load its shard,
+then drives steps: :meth:`WorkerGroup.execute` sends the same step to every rank
+and waits for all of them with ONE bounded ``ray.get``; rank 0's result is returned.
+
+Every wait is bounded. A dead rank, a rank that raised, or a wait that ran out of
+time becomes a :class:`WorkerGroupError` naming the rank and the reason; the group
+is then broken (every later call raises the same error) and must be shut down and
+rebuilt.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from flotilla.cluster.models.sources import ModelSource
+from flotilla.cluster.worker import DEFAULT_COLLECTIVE_TIMEOUT_S, StepBatch, WorkerActor, WorkerInfo
+from flotilla.resolution import ResolvedConfig
+
+# CPU share of one rank's bundle on CPU nodes (small, so a 2-core box holds several ranks).
+CPU_BUNDLE_SHARE = 0.5
+# Loopback settings every rank needs (see the Ray-on-one-box notes).
+_LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank of a worker group failed (picklable: plain message plus ``rank``).
+
+    Attributes:
+        rank: the failed rank, or None when the failure is not one rank's (e.g. no placement).
+        reason: what happened.
+    """
+
+    def __init__(self, rank: int | None, reason: str):
+        where = f"rank {rank}" if rank is not None else "worker group"
+        super().__init__(f"{where} failed: {reason}")
+        self.rank, self.reason = rank, reason
+
+    def __reduce__(self):
+        return (WorkerGroupError, (self.rank, self.reason))
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (rank 0's rendezvous store binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerGroup:
+    """``world_size`` worker actors running one model (tensor parallel over all ranks).
+
+    Args:
+        config: the frozen resolved config (broadcast once through the object store).
+        source: where the model is (every rank reads its own shard from it).
+        world_size: number of ranks.
+        rpc_timeout_s: bound on every wait for the ranks (startup phases and each step).
+        collective_timeout_s: bound on every collective inside the ranks; defaults to
+            ``rpc_timeout_s`` (keep it below to see a peer's death as the collective's error).
+
+    NOTE: the rendezvous address is loopback: all ranks share the driver's host (the
+    CPU tests). A multi-node group must take rank 0's node address instead.
+    """
+
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        source: ModelSource,
+        world_size: int,
+        rpc_timeout_s: float = 60.0,
+        collective_timeout_s: float | None = None,
+    ):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1 (got world_size={world_size!r})")
+        if rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be positive (got rpc_timeout_s={rpc_timeout_s!r})")
+        self.world_size = world_size
+        self.rpc_timeout_s = rpc_timeout_s
+        self.digest = config.digest
+        self._error: WorkerGroupError | None = None
+        self.actors: list[Any] = []
+        on_gpu = (config.device or "cpu") == "cuda"
+        bundle = {"GPU": 1} if on_gpu else {"CPU": CPU_BUNDLE_SHARE}
+        self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+        try:
+            ray.get(self.placement.ready(), timeout=rpc_timeout_s)
+        except GetTimeoutError:
+            self.shutdown()
+            raise WorkerGroupError(
+                None, f"no placement for {world_size} bundles of {bundle} within {rpc_timeout_s}s (cluster too small?)"
+            ) from None
+        port = free_loopback_port()
+        collective = collective_timeout_s or min(rpc_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
+        resources = {"num_gpus": 1, "num_cpus": 0} if on_gpu else {"num_cpus": CPU_BUNDLE_SHARE}
+        for rank in range(world_size):
+            strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+            actor = WorkerActor.options(
+                scheduling_strategy=strategy, runtime_env={"env_vars": dict(_LOOPBACK_ENV)}, **resources
+            ).remote(rank, world_size, self.digest, port, collective)
+            self.actors.append(actor)
+        try:
+            # NOTE: ONE put; every rank receives the same object (Ray resolves a
+            # top-level ObjectRef argument to its value before the method runs).
+            config_ref = ray.put(config)
+            self._gather([a.accept_config.remote(config_ref) for a in self.actors], "accept the config")
+            infos: list[WorkerInfo] = self._gather([a.load.remote(source) for a in self.actors], "load the model")
+        except WorkerGroupError:
+            self.shutdown()
+            raise
+        self.infos = infos
+        self.kv_layout = infos[0].kv_layout
+        self.vocab_size = infos[0].vocab_size
+
+    # -- the step seam --------------------------------------------------------
+
+    def execute(self, step: StepBatch) -> Any:
+        """Run ``step`` on every rank; returns rank 0's result (the sampled tokens).
+
+        Raises WorkerGroupError (naming the rank) when a rank died, raised, or did not
+        answer within ``rpc_timeout_s``.
+        """
+        if self._error is not None:
+            raise self._error
+        step_ref = ray.put(step)
+        results = self._gather([a.execute.remote(step_ref) for a in self.actors], "execute a step")
+        return results[0]
+
+    def _gather(self, refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
+        """Every rank's result, with ONE bounded ``ray.get`` over all of them."""
+        try:
+            return ray.get(list(refs), timeout=self.rpc_timeout_s)
+        except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+            self._error = self._diagnose(refs, what, exc)
+            raise self._error from None
+
+    def _diagnose(self, refs: Sequence[ray.ObjectRef], what: str, first: BaseException) -> WorkerGroupError:
+        """Which rank to blame (error path only): a dead rank first (its peers' errors are
+        consequences), then one that raised, then one that has not answered."""
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        done_ids = {r.hex() for r in done}
+        raised: list[tuple[int, BaseException]] = []
+        for rank, ref in enumerate(refs):
+            if ref.hex() not in done_ids:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                return WorkerGroupError(rank, f"its actor died while trying to {what}: {_first_line(exc)}")
+            except Exception as exc:  # noqa: BLE001 - any error the rank raised is reported
+                raised.append((rank, exc))
+        if raised:
+            rank, exc = raised[0]
+            cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+            return WorkerGroupError(rank, f"raised while trying to {what}: {type(cause).__name__}: {cause}")
+        pending = [rank for rank, ref in enumerate(refs) if ref.hex() not in done_ids]
+        if pending:
+            return WorkerGroupError(pending[0], f"did not {what} within {self.rpc_timeout_s}s (ranks {pending} pending)")
+        return WorkerGroupError(None, f"failed to {what}: {_first_line(first)}")
+
+    # -- teardown ---------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Kill every rank and release the placement group (idempotent)."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = []
+        if self.placement is not None:
+            try:
+                remove_placement_group(self.placement)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+            self.placement = None
+        if self._error is None:
+            self._error = WorkerGroupError(None, "the group was shut down")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,159 @@
+"""One rank of a worker group: the model shard, its KV cache and the step RPC.
+
+:class:`Worker` is a plain class holding the logic (testable in-process);
+:data:`WorkerActor` is the Ray actor shell around it. A worker's life:
+
+1. built with ``(rank, world_size, expected_digest, master_port)``;
+2. :meth:`Worker.accept_config` receives the frozen ``ResolvedConfig`` from the
+   object store (the driver ``ray.put``\\ s it once and hands the same ref to every
+   rank) and refuses it when its digest is not the group's;
+3. :meth:`Worker.load` joins ``torch.distributed`` (gloo over loopback when
+   ``world_size > 1``), builds this rank's model shard and its KV cache;
+4. :meth:`Worker.execute` runs one scheduled batch; every rank runs it, rank 0
+   returns the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+
+from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
+from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
+from flotilla.cluster.engine.scheduler import SchedulerOutput
+from flotilla.cluster.models.base import ParallelLayout
+from flotilla.cluster.models.sources import ModelSource
+from flotilla.resolution import ResolvedConfig
+
+# The longest any one collective may wait for its peers (a dead peer raises, never hangs).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+
+
+class ConfigMismatchError(RuntimeError):
+    """A worker was handed a config whose digest is not its group's."""
+
+
+@dataclass
+class StepBatch:
+    """What the driver sends to every rank for one step (picklable).
+
+    Attributes:
+        schedule: the scheduler's output for this step.
+        rows: one sampling row per scheduled request that samples, in schedule order.
+
+    NOTE: a row's ``generator`` (seeded sampling) does not survive the trip to the
+    workers with its state in sync across steps; send greedy or unseeded rows until the
+    sampler state lives on rank 0.
+    """
+
+    schedule: SchedulerOutput
+    rows: Sequence[SamplingRow] = ()
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a loaded rank reports back.
+
+    Attributes:
+        rank: the rank.
+        digest: the digest of the config it runs.
+        kv_layout: its KV pool (the scheduler is sized from rank 0's).
+        vocab_size: the model's vocabulary size.
+    """
+
+    rank: int
+    digest: str
+    kv_layout: KVCacheLayout
+    vocab_size: int
+
+
+class Worker:
+    """One rank (see the module docstring).
+
+    Args:
+        rank: this rank, in ``[0, world_size)``.
+        world_size: ranks in the group (all tensor-parallel for now).
+        expected_digest: the group's ``ResolvedConfig.digest``.
+        master_port: loopback port rank 0's rendezvous store listens on.
+        collective_timeout_s: bound on every collective of this rank.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        expected_digest: str,
+        master_port: int,
+        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    ):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        self.rank, self.world_size = rank, world_size
+        self.expected_digest = expected_digest
+        self.master_port = master_port
+        self.collective_timeout_s = collective_timeout_s
+        self.config: ResolvedConfig | None = None
+        self.runner: ModelRunner | None = None
+
+    def accept_config(self, config: ResolvedConfig) -> str:
+        """Keep ``config`` when its digest is the group's; returns the digest.
+
+        Raises ConfigMismatchError naming both digests otherwise.
+        """
+        digest = config.digest
+        if digest != self.expected_digest:
+            raise ConfigMismatchError(
+                f"rank {self.rank} refuses to start: it received a config with digest {digest}, "
+                f"but its group expects digest {self.expected_digest} (the driver must resolve once "
+                f"and broadcast the same frozen ResolvedConfig to every rank)"
+            )
+        self.config = config
+        return digest
+
+    def load(self, source: ModelSource) -> WorkerInfo:
+        """Join the process group, build this rank's model shard and KV cache."""
+        if self.config is None:
+            raise RuntimeError(f"rank {self.rank}: load() before accept_config()")
+        layout = ParallelLayout(self.world_size, self.rank, self._init_distributed())
+        self.runner = build_runner(self.config, source, layout)
+        return WorkerInfo(self.rank, self.config.digest, self.runner.kv_layout, self.runner.vocab_size)
+
+    def _init_distributed(self) -> Any:
+        if self.world_size == 1:
+            return None
+        if (self.config.device or "cpu") != "cpu":
+            # TODO(issue 4): NCCL twin of init_gloo for CUDA ranks.
+            raise NotImplementedError(f"rank {self.rank}: world_size > 1 on device={self.config.device!r} needs NCCL")
+        from flotilla.cluster.distributed import init_gloo
+
+        return init_gloo(self.rank, self.world_size, self.master_port, self.collective_timeout_s)
+
+    def execute(self, step: StepBatch) -> list[SampledToken] | None:
+        """Run one step on this rank; rank 0 returns the sampled tokens, the others None.
+
+        NOTE: every rank runs the whole step, sampling included: the vocab-parallel
+        logits are all-gathered inside ``compute_logits``, a collective every rank must join.
+        """
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: execute() before load()")
+        tokens = self.runner.execute(step.schedule, list(step.rows))
+        return tokens if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        """Leave the process group."""
+        if self.world_size > 1:
+            from flotilla.cluster.distributed import destroy
+
+            destroy()
+
+
+def build_runner(config: ResolvedConfig, source: ModelSource, layout: ParallelLayout) -> ModelRunner:
+    """A :class:`ModelRunner` whose model is ``layout``'s shard."""
+    return ModelRunner(config, source, parallel=layout)
+
+
+# The Ray actor shell: all logic stays in Worker. A crashed rank is not restarted by
+# Ray (the group reports it and the replica restarts the whole group).
+WorkerActor = ray.remote(max_restarts=0, max_task_retries=0)(Worker)

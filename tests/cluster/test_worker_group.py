@@ -1,0 +1,142 @@
+"""WorkerGroup on a real local Ray cluster (loopback, CPU, gloo): the config broadcast,
+one- and two-rank groups matching the in-process ModelRunner's greedy tokens on a tiny
+random Llama, and a killed rank turning into a bounded WorkerGroupError."""
+
+import os
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from flotilla.cluster.engine.model_runner import ModelRunner  # noqa: E402
+from flotilla.cluster.engine.request import Request  # noqa: E402
+from flotilla.cluster.engine.sampler import SamplingRow  # noqa: E402
+from flotilla.cluster.engine.sampling_params import SamplingParams  # noqa: E402
+from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from flotilla.cluster.group import WorkerGroup, WorkerGroupError  # noqa: E402
+from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
+from flotilla.cluster.worker import ConfigMismatchError, StepBatch, WorkerActor  # noqa: E402
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
+
+PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5, 120]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+NUM_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster on loopback for the whole session (no dashboard)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # initializer_range 0.2: logit margins well above float32 reduction-order noise, so
+    # a sharded model's greedy tokens are the single-rank ones.
+    hf = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(hf).eval().save_pretrained(path)
+    return resolve_model_source(str(path))
+
+
+def resolved(source, **flags):
+    args = ServerArgs.create(model_path=str(source.path), max_total_tokens=512, **flags)
+    return resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu"))
+
+
+def greedy_tokens(execute, kv_layout, n=NUM_TOKENS):
+    """Drive one greedy request through prefill and decodes with a real scheduler."""
+    scheduler = Scheduler(
+        SchedulerConfig(num_blocks=kv_layout.num_blocks, block_size=kv_layout.block_size, max_num_seqs=4, max_num_batched_tokens=64)
+    )
+    request = Request("r0", PROMPT, max_tokens=n)
+    scheduler.add(request)
+    while not request.reached_max_tokens:
+        step = scheduler.schedule()
+        sampling = [item.request for item in step.scheduled if item.samples]
+        rows = [SamplingRow(GREEDY, r.all_token_ids, r.num_prompt_tokens) for r in sampling]
+        tokens = execute(StepBatch(step, rows))
+        scheduler.update(step, {r.request_id: t.token_id for r, t in zip(sampling, tokens)})
+    return list(request.output_token_ids)
+
+
+@pytest.fixture(scope="module")
+def single_rank_tokens(source):
+    runner = ModelRunner(resolved(source), source)
+    return greedy_tokens(lambda s: runner.execute(s.schedule, s.rows), runner.kv_layout)
+
+
+def test_config_is_broadcast_once_and_a_mismatched_digest_is_refused(ray_cluster, source):
+    config = resolved(source)
+    ref = ray.put(config)
+    workers = [WorkerActor.options(num_cpus=0.1).remote(rank, 2, config.digest, 0) for rank in range(2)]
+    assert ray.get([w.accept_config.remote(ref) for w in workers], timeout=30) == [config.digest] * 2
+
+    other = resolved(source, random_seed=1234)
+    assert other.digest != config.digest
+    stranger = WorkerActor.options(num_cpus=0.1).remote(0, 1, other.digest, 0)
+    with pytest.raises(ConfigMismatchError) as info:
+        ray.get(stranger.accept_config.remote(ref), timeout=30)
+    assert config.digest in str(info.value) and other.digest in str(info.value)
+    for w in [*workers, stranger]:
+        ray.kill(w)
+
+
+def test_world_size_1_matches_in_process_runner(ray_cluster, source, single_rank_tokens):
+    group = WorkerGroup(resolved(source), source, world_size=1, rpc_timeout_s=30)
+    try:
+        assert group.infos[0].digest == resolved(source).digest
+        assert greedy_tokens(group.execute, group.kv_layout) == single_rank_tokens
+    finally:
+        group.shutdown()
+
+
+def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_tokens):
+    group = WorkerGroup(resolved(source), source, world_size=2, rpc_timeout_s=30)
+    try:
+        # Each rank holds one of the two KV heads: half the single-rank cache bytes per token.
+        assert group.kv_layout.bytes_per_token * 2 == ModelRunner(resolved(source), source).kv_layout.bytes_per_token
+        assert greedy_tokens(group.execute, group.kv_layout) == single_rank_tokens
+    finally:
+        group.shutdown()
+
+
+def test_killed_rank_is_reported_within_the_timeout(ray_cluster, source):
+    group = WorkerGroup(resolved(source), source, world_size=2, rpc_timeout_s=15, collective_timeout_s=5)
+    try:
+        ray.kill(group.actors[1], no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError) as info:
+            greedy_tokens(group.execute, group.kv_layout, n=2)
+        assert time.monotonic() - start < 20
+        assert info.value.rank == 1 and "rank 1" in str(info.value), str(info.value)
+        # The group stays broken: the next step fails at once with the same error.
+        with pytest.raises(WorkerGroupError, match="rank 1"):
+            group.execute(None)
+    finally:
+        group.shutdown()
+
+
+def test_worker_group_error_pickles():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(WorkerGroupError(1, "its actor died")))
+    assert error.rank == 1 and str(error) == "rank 1 failed: its actor died"
