@@ -135,6 +135,11 @@ class WorkerGroup:
         results = self._gather([a.execute.remote(step_ref) for a in self.actors], "execute a step")
         return results[0]
 
+    def execute_logits(self, schedule: Any) -> Any:
+        """Run one scheduled step on every rank; returns rank 0's float32 logits ``[N, V]``
+        of the step's N sampling requests (the driver samples them)."""
+        return self.execute(StepBatch(schedule, (), return_logits=True))
+
     def _gather(self, refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
         """Every rank's result, with ONE bounded ``ray.get`` over all of them."""
         try:

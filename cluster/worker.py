@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
+import torch
 
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
@@ -42,6 +43,9 @@ class StepBatch:
     Attributes:
         schedule: the scheduler's output for this step.
         rows: one sampling row per scheduled request that samples, in schedule order.
+        return_logits: when True, rank 0 returns the float32 logits ``[N, V]`` of the N
+            sampling requests (schedule order) instead of sampled tokens, and ``rows`` is
+            ignored: the driver samples (its seeded generators keep their state there).
 
     NOTE: a row's ``generator`` (seeded sampling) does not survive the trip to the
     workers with its state in sync across steps; send greedy or unseeded rows until the
@@ -50,6 +54,7 @@ class StepBatch:
 
     schedule: SchedulerOutput
     rows: Sequence[SamplingRow] = ()
+    return_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,16 +135,32 @@ class Worker:
 
         return init_gloo(self.rank, self.world_size, self.master_port, self.collective_timeout_s)
 
-    def execute(self, step: StepBatch) -> list[SampledToken] | None:
-        """Run one step on this rank; rank 0 returns the sampled tokens, the others None.
+    def execute(self, step: StepBatch) -> list[SampledToken] | torch.Tensor | None:
+        """Run one step on this rank; rank 0 returns the sampled tokens (or, with
+        ``step.return_logits``, the logits of the sampling rows), the others None.
 
         NOTE: every rank runs the whole step, sampling included: the vocab-parallel
         logits are all-gathered inside ``compute_logits``, a collective every rank must join.
         """
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: execute() before load()")
+        if getattr(step, "return_logits", False):
+            logits = self._step_logits(step.schedule)
+            return logits if self.rank == 0 else None
         tokens = self.runner.execute(step.schedule, list(step.rows))
         return tokens if self.rank == 0 else None
+
+    def _step_logits(self, schedule: SchedulerOutput) -> torch.Tensor:
+        """Forward one step; the float32 logits ``[N, V]`` of its N sampling requests (on CPU)."""
+        runner = self.runner
+        with torch.inference_mode():
+            input_ids, positions, meta, sample_index = runner.prepare_inputs(schedule)
+            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+            if sample_index.numel() == 0:
+                return torch.empty(0, runner.vocab_size, dtype=torch.float32)
+            # NOTE: compute_logits all-gathers the vocab shards: every rank must call it.
+            logits = runner.model.compute_logits(hidden.index_select(0, sample_index))
+        return logits.float().cpu()
 
     def shutdown(self) -> None:
         """Leave the process group."""

@@ -1,4 +1,5 @@
-"""``LLM``: offline generation in this process (no Ray), shaped like vLLM's ``LLM``.
+"""``LLM``: offline generation, shaped like vLLM's ``LLM``: in this process (no Ray) at
+one rank, on a Ray worker group (started locally when none is running) when tp_size > 1.
 
     from flotilla import LLM, SamplingParams
     llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
@@ -64,6 +65,13 @@ class LLM:
             self._tokenizer_error = str(exc)
             logger.warning("no tokenizer, token-id prompts only: %s", exc)
             return None
+
+    def shutdown(self) -> None:
+        """Release the engine's workers (a tensor-parallel group's Ray actors); idempotent.
+        An in-process engine has nothing to release."""
+        stop = getattr(self.engine.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -84,7 +84,7 @@ class _Parent:
 
 
 class LLMEngine:
-    """The offline engine (in-process, no Ray).
+    """The offline engine: the model runs in this process at one rank, on a Ray worker group at tp_size > 1.
 
     Args:
         config: the resolved configuration (resolved once by the caller).
@@ -98,7 +98,7 @@ class LLMEngine:
         self.config = config
         self.source = source
         self.tokenizer = tokenizer
-        self.runner = runner or ModelRunner(config, source)
+        self.runner = runner or _build_runner(config, source)
         self.scheduler = Scheduler(scheduler_config_for(config, self.runner.kv_layout))
         self.vocab_size = self.runner.vocab_size
         self.context_len = int(config.context_length or ModelFacts.from_hf_config(source.config_dict).context_len or 2048)
@@ -346,6 +346,16 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": pool.usage,
         }
+
+
+def _build_runner(config: ResolvedConfig, source: ModelSource) -> Any:
+    """The in-process :class:`ModelRunner`, or a Ray worker group when ``tp_size > 1``."""
+    if int(config.tp_size or 1) > 1:
+        # NOTE: imported lazily: a single-rank engine never imports Ray.
+        from flotilla.cluster.engine.group_runner import GroupRunner
+
+        return GroupRunner(config, source)
+    return ModelRunner(config, source)
 
 
 def _eos_ids(hf_config: dict, tokenizer: Any) -> frozenset[int]:

@@ -1,8 +1,8 @@
 """WorkerGroup on a real local Ray cluster (loopback, CPU, gloo): the config broadcast,
 one- and two-rank groups matching the in-process ModelRunner's greedy tokens on a tiny
-random Llama, and a killed rank turning into a bounded WorkerGroupError."""
+random Llama, and a killed rank turning into a bounded WorkerGroupError (the ``ray_cluster``
+fixture lives in tests/cluster/conftest.py)."""
 
-import os
 import time
 
 import pytest
@@ -23,16 +23,6 @@ from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa:
 PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5, 120]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 NUM_TOKENS = 16
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray cluster on loopback for the whole session (no dashboard)."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,80 @@
+"""``GroupRunner``: the :class:`ModelRunner` face of a tensor-parallel Ray worker group.
+
+:class:`~flotilla.cluster.engine.llm_engine.LLMEngine` drives one runner through
+``execute(step, rows)``, ``kv_layout``, ``vocab_size`` and ``generator_for(seed)``.
+When the resolved ``tp_size`` is above 1 the model is sharded over ``tp_size`` Ray
+actors (:class:`~flotilla.cluster.group.WorkerGroup`); this adapter sends each step to
+the group, gets back rank 0's logits of the sampling rows, and samples them HERE with
+the driver's :class:`Sampler`.
+
+NOTE: sampling stays on the driver so a seeded request's ``torch.Generator`` (held by
+the engine, advanced once per step) keeps its state across steps; shipping it to the
+ranks would sample from a fresh copy every step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
+from flotilla.cluster.engine.scheduler import SchedulerOutput
+from flotilla.cluster.models.sources import ModelSource
+from flotilla.resolution import ResolvedConfig
+
+
+def ensure_ray(num_ranks: int) -> None:
+    """Start a local Ray cluster on loopback unless this process is already connected to one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ray.init(include_dashboard=False, num_cpus=max(4, num_ranks), log_to_driver=False, configure_logging=False)
+
+
+class GroupRunner:
+    """Runs the model on a ``config.tp_size``-rank worker group; samples on the driver.
+
+    Args:
+        config: the resolved configuration (broadcast once to every rank).
+        source: the model (every rank loads its own shard).
+        rpc_timeout_s: bound on every wait for the ranks.
+    """
+
+    def __init__(self, config: ResolvedConfig, source: ModelSource, rpc_timeout_s: float = 120.0):
+        from flotilla.cluster.group import WorkerGroup
+
+        world_size = int(config.tp_size or 1)
+        ensure_ray(world_size)
+        self.config = config
+        # NOTE: logits come back to the driver on CPU; the driver samples there.
+        self.device = torch.device("cpu")
+        self.group = WorkerGroup(config, source, world_size=world_size, rpc_timeout_s=rpc_timeout_s)
+        self.kv_layout = self.group.kv_layout
+        self.vocab_size = int(self.group.vocab_size)
+        generator = None
+        if config.random_seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
+        self.sampler = Sampler(generator)
+
+    def generator_for(self, seed: int) -> torch.Generator:
+        """A fresh generator on the driver, for a request with ``seed``."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def execute(self, step: SchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Run one step on every rank; returns one token per sampling request (schedule
+        order), sampled on the driver with ``rows`` (one per such request, same order)."""
+        logits = self.group.execute_logits(step)
+        if not rows:
+            return []
+        if len(rows) != logits.shape[0]:
+            raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
+        return self.sampler(logits, rows)
+
+    def shutdown(self) -> None:
+        """Stop every rank (idempotent); the Ray cluster itself stays up."""
+        self.group.shutdown()
