@@ -6,7 +6,6 @@ fixture lives in tests/cluster/conftest.py)."""
 import time
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
@@ -19,6 +18,7 @@ from flotilla.cluster.group import WorkerGroup, WorkerGroupError  # noqa: E402
 from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
 from flotilla.cluster.worker import ConfigMismatchError, StepBatch, WorkerActor  # noqa: E402
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
+from helpers.tiny_models import save_tiny_llama
 
 PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5, 120]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -27,23 +27,8 @@ NUM_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    # initializer_range 0.2: logit margins well above float32 reduction-order noise, so
-    # a sharded model's greedy tokens are the single-rank ones.
-    hf = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
     path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(hf).eval().save_pretrained(path)
+    save_tiny_llama(path)
     return resolve_model_source(str(path))
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flotilla import LLM, SamplingParams
+from helpers.tiny_models import save_tiny_llama
 
 NEW_TOKENS = 40
 PROMPT_LENS = (5, 17, 33, 60)
@@ -31,24 +32,8 @@ def one_intra_op_thread():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    # NOTE: initializer_range 0.2 (not HF's 0.02) spreads the logits, so greedy choices are
-    # decided by margins far above float32 summation-order noise (~1e-6).
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
+    model = save_tiny_llama(path)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in PROMPT_LENS]
     expected = [hf_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]

@@ -10,6 +10,7 @@ from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from helpers.tiny_models import save_tiny_llama
 
 VOCAB = 256
 
@@ -34,23 +35,8 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    # initializer_range 0.2: logit margins well above float32 noise (see test_llm.py).
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
+    model = save_tiny_llama(path, vocab_size=VOCAB)
     return path, model
 
 

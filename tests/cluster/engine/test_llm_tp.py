@@ -10,6 +10,7 @@ pytest.importorskip("ray")
 
 from flotilla import LLM, SamplingParams  # noqa: E402
 from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
+from helpers.tiny_models import save_tiny_llama
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 40)
@@ -19,23 +20,8 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=NEW_TO
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    # NOTE: initializer_range 0.2 spreads the logits, so greedy choices are decided by
-    # margins far above the float32 reduction-order noise a sharded matmul adds (~1e-6).
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
     path = tmp_path_factory.mktemp("tiny-llama-tp")
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    save_tiny_llama(path)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in PROMPT_LENS]
     return str(path), prompts
