@@ -22,6 +22,7 @@ from flotilla.cluster.models.layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from flotilla.cluster.models.llama import RMSNorm  # noqa: F401  (shared with deepseek.py)
 from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
@@ -49,21 +50,6 @@ def rope_settings(cfg: ModelConfig) -> tuple[float, dict[str, Any] | None]:
     merged["rope_type"] = rope_type
     merged.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     return base, merged
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension; ``forward(x, residual)`` adds the residual first and
-    returns ``(normed, new_residual)``, as the decoder layers chain them."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-        self._op = registry.get("rms_norm", KERNEL_BACKEND)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return self._op(x, self.weight, self.eps, residual=residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -303,6 +289,13 @@ class _GQAMoELM(DecoderOnlyLM):
         return KVCacheSpec(num_layers=len(self.layers), tensors_per_layer=(shape, shape), dtype=self.config.dtype)
 
 
+def _neox_rotary(cfg: ModelConfig) -> "RotaryEmbedding":
+    """The neox-style RoPE table of a GQA MoE model (head_dim from the config, or hidden / heads)."""
+    base, scaling = rope_settings(cfg)
+    head_dim = cfg.get("head_dim", cfg.get("hidden_size") // cfg.get("num_attention_heads"))
+    return RotaryEmbedding(head_dim, cfg.get("max_position_embeddings"), base, scaling, is_neox=True)
+
+
 class Qwen3MoeForCausalLM(_GQAMoELM):
     """Qwen3-MoE: q/k RMSNorm per head; layer ``i`` is sparse unless it is in
     ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; ``norm_topk_prob``
@@ -310,11 +303,8 @@ class Qwen3MoeForCausalLM(_GQAMoELM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        base, scaling = rope_settings(cfg)
-        hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-        rotary = RotaryEmbedding(
-            cfg.get("head_dim", hidden // heads), cfg.get("max_position_embeddings"), base, scaling, is_neox=True
-        )
+        rotary = _neox_rotary(cfg)
+        hidden = cfg.get("hidden_size")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
         num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
         step = cfg.get("decoder_sparse_step", 1)
@@ -334,11 +324,7 @@ class MixtralForCausalLM(_GQAMoELM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        base, scaling = rope_settings(cfg)
-        hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-        rotary = RotaryEmbedding(
-            cfg.get("head_dim", hidden // heads), cfg.get("max_position_embeddings"), base, scaling, is_neox=True
-        )
+        rotary = _neox_rotary(cfg)
         for _ in range(cfg.get("num_hidden_layers")):
             attn = GQAttention(cfg, rotary, qk_norm=False, sliding_window=cfg.get("sliding_window"))
             mlp = SparseMoeBlock(cfg, cfg.get("num_local_experts"), cfg.get("intermediate_size"), renormalize=True)
