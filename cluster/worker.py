@@ -130,7 +130,10 @@ class Worker:
             return None
         if (self.config.device or "cpu") != "cpu":
             # TODO(issue 4): NCCL twin of init_gloo for CUDA ranks.
-            raise NotImplementedError(f"rank {self.rank}: world_size > 1 on device={self.config.device!r} needs NCCL")
+            raise NotImplementedError(
+                f"rank {self.rank}: world_size={self.world_size} on device={self.config.device!r} needs NCCL "
+                "process groups, which are not built yet; use tp_size=1 on GPUs, or run the group on CPU (gloo)"
+            )
         from flotilla.cluster.distributed import init_gloo
 
         return init_gloo(self.rank, self.world_size, self.master_port, self.collective_timeout_s)
