@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flotilla.cluster.models.sources import ModelSource
+from flotilla.cluster.topology import Topology
 from flotilla.cluster.worker import DEFAULT_COLLECTIVE_TIMEOUT_S, StepBatch, WorkerActor, WorkerInfo
 from flotilla.resolution import ResolvedConfig
 
@@ -58,12 +59,12 @@ def free_loopback_port() -> int:
 
 
 class WorkerGroup:
-    """``world_size`` worker actors running one model (tensor parallel over all ranks).
+    """One worker actor per rank of the config's :class:`~flotilla.cluster.topology.Topology`
+    (``tp_size`` ranks, read through its TP, EP, DP-attention and DCP views).
 
     Args:
         config: the frozen resolved config (broadcast once through the object store).
         source: where the model is (every rank reads its own shard from it).
-        world_size: number of ranks.
         rpc_timeout_s: bound on every wait for the ranks (startup phases and each step).
         collective_timeout_s: bound on every collective inside the ranks; defaults to
             ``rpc_timeout_s`` (keep it below to see a peer's death as the collective's error).
@@ -76,12 +77,11 @@ class WorkerGroup:
         self,
         config: ResolvedConfig,
         source: ModelSource,
-        world_size: int,
         rpc_timeout_s: float = 60.0,
         collective_timeout_s: float | None = None,
     ):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1 (got world_size={world_size!r})")
+        self.topology = Topology.from_config(config)
+        world_size = self.topology.world_size
         if rpc_timeout_s <= 0:
             raise ValueError(f"rpc_timeout_s must be positive (got rpc_timeout_s={rpc_timeout_s!r})")
         self.world_size = world_size

@@ -7,8 +7,9 @@
 2. :meth:`Worker.accept_config` receives the frozen ``ResolvedConfig`` from the
    object store (the driver ``ray.put``\\ s it once and hands the same ref to every
    rank) and refuses it when its digest is not the group's;
-3. :meth:`Worker.load` joins ``torch.distributed`` (gloo over loopback when
-   ``world_size > 1``), builds this rank's model shard and its KV cache;
+3. :meth:`Worker.load` joins ``torch.distributed`` (gloo over loopback on CPU, NCCL on
+   CUDA) and one communicator per group of the config's :class:`Topology`, builds this
+   rank's model shard and its KV cache;
 4. :meth:`Worker.execute` runs one scheduled batch; every rank runs it, rank 0
    returns the sampled tokens.
 """
@@ -26,6 +27,7 @@ from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.sources import ModelSource
+from flotilla.cluster.topology import Topology
 from flotilla.resolution import ResolvedConfig
 
 # The longest any one collective may wait for its peers (a dead peer raises, never hangs).
@@ -101,6 +103,7 @@ class Worker:
         self.collective_timeout_s = collective_timeout_s
         self.config: ResolvedConfig | None = None
         self.runner: ModelRunner | None = None
+        self.layout: ParallelLayout | None = None
 
     def accept_config(self, config: ResolvedConfig) -> str:
         """Keep ``config`` when its digest is the group's; returns the digest.
@@ -118,25 +121,44 @@ class Worker:
         return digest
 
     def load(self, source: ModelSource) -> WorkerInfo:
-        """Join the process group, build this rank's model shard and KV cache."""
+        """Join the process groups, build this rank's model shard and KV cache."""
         if self.config is None:
             raise RuntimeError(f"rank {self.rank}: load() before accept_config()")
-        layout = ParallelLayout(self.world_size, self.rank, self._init_distributed())
+        topology = Topology.from_config(self.config)
+        if topology.world_size != self.world_size:
+            raise ValueError(
+                f"rank {self.rank}: the config's tp_size={topology.world_size} is not this group's "
+                f"world_size={self.world_size}"
+            )
+        layout = ParallelLayout.for_rank(
+            topology,
+            self.rank,
+            self._init_distributed(topology),
+            moe_a2a_backend=self.config.moe_a2a_backend or "none",
+            dcp_comm_backend=self.config.dcp_comm_backend or "ag_rs",
+        )
+        self.layout = layout
         self.runner = build_runner(self.config, source, layout)
         return WorkerInfo(self.rank, self.config.digest, self.runner.kv_layout, self.runner.vocab_size)
 
-    def _init_distributed(self) -> Any:
-        if self.world_size == 1:
-            return None
-        if (self.config.device or "cpu") != "cpu":
-            # TODO(issue 4): NCCL twin of init_gloo for CUDA ranks.
-            raise NotImplementedError(
-                f"rank {self.rank}: world_size={self.world_size} on device={self.config.device!r} needs NCCL "
-                "process groups, which are not built yet; use tp_size=1 on GPUs, or run the group on CPU (gloo)"
-            )
-        from flotilla.cluster.distributed import init_gloo
+    def _init_distributed(self, topology: Topology) -> dict[str, Any]:
+        """This rank's communicators: gloo on CPU, NCCL on CUDA (one GPU per rank: Ray sets
+        ``CUDA_VISIBLE_DEVICES`` to the rank's GPU, so it is ``cuda:0`` here)."""
+        from flotilla.cluster.distributed import init_process_groups
 
-        return init_gloo(self.rank, self.world_size, self.master_port, self.collective_timeout_s)
+        on_cuda = (self.config.device or "cpu") == "cuda"
+        device = None
+        if on_cuda and self.world_size > 1:
+            device = torch.device("cuda", 0)
+            torch.cuda.set_device(device)
+        return init_process_groups(
+            topology,
+            self.rank,
+            self.master_port,
+            self.collective_timeout_s,
+            backend="nccl" if on_cuda else "gloo",
+            device=device,
+        )
 
     def execute(self, step: StepBatch) -> list[SampledToken] | torch.Tensor | None:
         """Run one step on this rank; rank 0 returns the sampled tokens (or, with

@@ -53,7 +53,7 @@ class GroupRunner:
         self.config = config
         # NOTE: logits come back to the driver on CPU; the driver samples there.
         self.device = torch.device("cpu")
-        self.group = WorkerGroup(config, source, world_size=world_size, rpc_timeout_s=rpc_timeout_s)
+        self.group = WorkerGroup(config, source, rpc_timeout_s=rpc_timeout_s)
         self.kv_layout = self.group.kv_layout
         self.vocab_size = int(self.group.vocab_size)
         generator = None

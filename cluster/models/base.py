@@ -24,18 +24,88 @@ from flotilla.kernels.attention import AttentionMetadata
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the tensor-parallel group.
+    """This rank's place in every parallel group of its engine group (one rank by default).
 
-    ``group`` is the communicator the layers reduce and gather through (a
-    :class:`flotilla.cluster.distributed.TPGroup`, or anything with its
-    ``all_reduce(x)`` / ``all_gather(x, dim)``); None on one rank.
-    NOTE: ``group`` is excluded from equality and hashing: two layouts describe the
-    same shard whatever live communicator they carry.
+    The sizes and ranks come from :class:`flotilla.cluster.topology.Topology`; the live
+    communicators (:class:`flotilla.cluster.distributed.Communicator`, or anything with
+    the same collectives) from the worker that joined them.
+
+    Attributes:
+        tp_size, tp_rank: attention tensor parallelism (``attn_tp``): the ranks that split
+            attention heads, and also the dense MLPs, the vocab-parallel embedding and the
+            LM head (with DP attention each DP rank is its own replica of the dense part).
+        group: the attention-TP communicator (None on one rank).
+        ep_size, ep_rank: expert parallelism: which slice of the (physical) experts a rank holds.
+        moe_tp_size, moe_tp_rank: MoE tensor parallelism: which slice of every local
+            expert's intermediate dimension a rank holds.
+        dp_size, dp_rank: attention data parallelism: which scheduler and KV cache the rank
+            serves (DP ranks run different batches; MoE layers run in lockstep).
+        dcp_size, dcp_rank: decode context parallelism (a slice of attention TP): which token
+            shard of the KV cache the rank owns (token ``i`` on DCP rank ``i % dcp_size``).
+        moe_a2a_backend: ``"none"`` (every EP rank computes its experts for all tokens and the
+            partial outputs are all-reduced) or any other resolved name (tokens are dispatched
+            to and combined from the experts' ranks with all-to-all).
+        dcp_comm_backend: ``"ag_rs"`` or ``"a2a"``: how DCP partial attention is merged.
+        comms: communicators by group kind (:data:`flotilla.cluster.topology.GROUP_NAMES`:
+            ``tp`` (whole engine group), ``attn_tp``, ``attn_dp``, ``dcp``, ``ep``, ``moe_tp``, ...).
+
+    NOTE: ``group`` and ``comms`` are excluded from equality and hashing: two layouts
+    describe the same shard whatever live communicators they carry.
     """
 
     tp_size: int = 1
     tp_rank: int = 0
     group: Any = field(default=None, compare=False, hash=False, repr=False)
+    ep_size: int = 1
+    ep_rank: int = 0
+    moe_tp_size: int = 1
+    moe_tp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    moe_a2a_backend: str = "none"
+    dcp_comm_backend: str = "ag_rs"
+    comms: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @classmethod
+    def for_rank(
+        cls,
+        topology: Any,
+        rank: int,
+        comms: Mapping[str, Any],
+        moe_a2a_backend: str = "none",
+        dcp_comm_backend: str = "ag_rs",
+    ) -> "ParallelLayout":
+        """``rank``'s layout in ``topology`` (a :class:`~flotilla.cluster.topology.Topology`)
+        with its communicators ``comms`` (from :func:`~flotilla.cluster.distributed.init_process_groups`)."""
+        c = topology.coords(rank)
+        return cls(
+            tp_size=topology.attn_tp_size,
+            tp_rank=c.attn_tp,
+            group=comms.get("attn_tp"),
+            ep_size=topology.ep_size,
+            ep_rank=c.ep,
+            moe_tp_size=topology.moe_tp_size,
+            moe_tp_rank=c.moe_tp,
+            dp_size=topology.attn_dp_size,
+            dp_rank=c.attn_dp,
+            dcp_size=topology.dcp_size,
+            dcp_rank=c.dcp,
+            moe_a2a_backend=moe_a2a_backend,
+            dcp_comm_backend=dcp_comm_backend,
+            comms=dict(comms),
+        )
+
+    def comm(self, name: str) -> Any:
+        """The communicator of group kind ``name``; ValueError when this layout has none."""
+        found = self.comms.get(name)
+        if found is None:
+            raise ValueError(
+                f"this ParallelLayout has no {name!r} communicator (has: {sorted(self.comms) or 'none'}); "
+                "build it with ParallelLayout.for_rank(topology, rank, init_process_groups(...))"
+            )
+        return found
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.parallel.group is None:
             raise ValueError(
                 f"tp_size={self.parallel.tp_size} needs a communicator: pass ParallelLayout(group=...) "
-                "(see flotilla.cluster.distributed.TPGroup)"
+                "(see flotilla.cluster.distributed.Communicator)"
             )
         return self.parallel.group
 

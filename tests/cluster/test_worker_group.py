@@ -76,7 +76,7 @@ def test_config_is_broadcast_once_and_a_mismatched_digest_is_refused(ray_cluster
 
 
 def test_world_size_1_matches_in_process_runner(ray_cluster, source, single_rank_tokens):
-    group = WorkerGroup(resolved(source), source, world_size=1, rpc_timeout_s=30)
+    group = WorkerGroup(resolved(source), source, rpc_timeout_s=30)
     try:
         assert group.infos[0].digest == resolved(source).digest
         assert greedy_tokens(group.execute, group.kv_layout) == single_rank_tokens
@@ -85,7 +85,7 @@ def test_world_size_1_matches_in_process_runner(ray_cluster, source, single_rank
 
 
 def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_tokens):
-    group = WorkerGroup(resolved(source), source, world_size=2, rpc_timeout_s=30)
+    group = WorkerGroup(resolved(source, tp_size=2), source, rpc_timeout_s=30)
     try:
         # Each rank holds one of the two KV heads: half the single-rank cache bytes per token.
         assert group.kv_layout.bytes_per_token * 2 == ModelRunner(resolved(source), source).kv_layout.bytes_per_token
@@ -95,7 +95,7 @@ def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_toke
 
 
 def test_killed_rank_is_reported_within_the_timeout(ray_cluster, source):
-    group = WorkerGroup(resolved(source), source, world_size=2, rpc_timeout_s=15, collective_timeout_s=5)
+    group = WorkerGroup(resolved(source, tp_size=2), source, rpc_timeout_s=15, collective_timeout_s=5)
     try:
         ray.kill(group.actors[1], no_restart=True)
         start = time.monotonic()

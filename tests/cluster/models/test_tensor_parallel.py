@@ -220,9 +220,9 @@ def test_llama_9q_3kv_heads_tp3_matches_single_rank(tmp_path):
 
 
 def test_single_rank_group_is_identity():
-    from flotilla.cluster.distributed import TPGroup
+    from flotilla.cluster.distributed import Communicator
 
-    group = TPGroup.single()
+    group = Communicator.single()
     x = torch.randn(3, 4)
     assert group.all_reduce(x) is x
     assert group.all_gather(x, dim=-1) is x
