@@ -54,6 +54,8 @@ class Communicator:
         self.group, self.size, self.rank = group, size, rank
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
         self.timeout = timedelta(seconds=timeout_s)
+        # gloo collectives run on the CPU: wait for them with the bound. NCCL: see _wait.
+        self._cpu_wait = group is None or dist.get_backend(group) != "nccl"
 
     @classmethod
     def single(cls) -> "Communicator":
@@ -61,7 +63,13 @@ class Communicator:
         return cls(None, 1, 0, 1.0)
 
     def _wait(self, work) -> None:
-        work.wait(self.timeout)
+        if self._cpu_wait:
+            work.wait(self.timeout)
+        else:
+            # NOTE: NCCL: wait() only orders the current CUDA stream after the collective, so
+            # the CPU keeps launching kernels; the group's timeout is enforced by NCCL's watchdog,
+            # which aborts the communicator (and the rank) when a collective overruns it.
+            work.wait()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The element-wise sum of ``x`` over the group (in place; returns ``x``)."""

@@ -139,9 +139,13 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str = "torch",
     parallel: ParallelLayout | None = None,
+    load_format: str = "auto",
 ):
     """Build the model for ``source``'s architecture and load its weights (this rank's
     shard under ``parallel``).
+
+    ``load_format`` is ``"auto"`` (the checkpoint: safetensors, ``.bin`` or GGUF) or
+    ``"dummy"`` (deterministic random weights, see :mod:`flotilla.cluster.models.dummy_weights`).
 
     Returns the model in eval mode on ``device``, parameters in the resolved ``dtype``.
     """
@@ -156,7 +160,13 @@ def load_model(
     )
     with torch.device(device):
         model = cls(config)
-    if source.kind == "gguf":
+    if load_format == "dummy":
+        from flotilla.cluster.models.dummy_weights import iter_dummy_weights
+
+        weights = iter_dummy_weights(source.config_dict, device=device)
+    elif load_format not in ("auto", "safetensors", "pt", "gguf"):
+        raise ValueError(f"load_format={load_format!r} is not supported here; use auto or dummy")
+    elif source.kind == "gguf":
         from flotilla.cluster.models.gguf_loader import iter_gguf_weights
 
         weights = iter_gguf_weights(source.path, source.config_dict)
