@@ -89,3 +89,38 @@ def _cpu_has_amx(torch) -> bool:
         return bool(check())
     except Exception:  # NOTE: a private torch probe; any failure means "no AMX".
         return False
+
+
+def probe_on_workers(on_gpu: bool | None = None, timeout_s: float = 60.0) -> PlatformFacts:
+    """:func:`probe` run as a Ray task on a node of the kind the workers will use.
+
+    The driver (a head node, a laptop submitting a job) may have no accelerator; the
+    configuration must be resolved for the workers' hardware. The task asks for one GPU
+    when ``on_gpu`` (default: whenever the connected cluster has GPUs), so it lands on a
+    GPU node; otherwise on any node. Needs a connected Ray cluster (``ray.init``).
+
+    Raises ValueError when ``on_gpu`` is asked for on a cluster without GPUs, and
+    ``GetTimeoutError`` when no node runs the task within ``timeout_s``.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        raise ValueError("probe_on_workers needs a connected Ray cluster: call ray.init(...) first, or use probe()")
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if on_gpu is None:
+        on_gpu = gpus > 0
+    if on_gpu and gpus == 0:
+        raise ValueError("on_gpu=True, but the connected Ray cluster has no GPUs; probe a CPU node with on_gpu=False")
+    task = ray.remote(num_gpus=1 if on_gpu else 0, num_cpus=0 if on_gpu else 0.1, max_retries=0)(probe)
+    return ray.get(task.remote(), timeout=timeout_s)
+
+
+def probe_for_workers() -> PlatformFacts:
+    """The platform to resolve for: :func:`probe_on_workers` when this process is connected
+    to a Ray cluster, else :func:`probe` here (a local cluster started later runs on this machine)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return probe_on_workers()
+    return probe()

@@ -39,3 +39,21 @@ def test_library_presence_comes_from_find_spec(monkeypatch):
     monkeypatch.setattr(probe_module.importlib.util, "find_spec", lambda name: object() if name in present else None)
     facts = probe()
     assert facts.flashinfer and not facts.triton_kernels and not facts.deep_gemm
+
+
+def test_probe_on_workers_runs_as_a_ray_task_and_matches_the_local_probe(ray_cluster):
+    """On this CPU box the worker nodes are this machine: the task's facts are the local ones."""
+    from flotilla.cluster.platform import probe_for_workers, probe_on_workers
+
+    remote = probe_on_workers(timeout_s=60)
+    assert remote == probe()
+    assert probe_for_workers() == remote  # connected to Ray: the task, not the driver, is probed
+
+
+def test_probe_on_workers_asking_for_a_gpu_on_a_cpu_cluster_is_a_clear_error(ray_cluster):
+    import pytest
+
+    from flotilla.cluster.platform import probe_on_workers
+
+    with pytest.raises(ValueError, match="on_gpu=True"):
+        probe_on_workers(on_gpu=True)
