@@ -5,7 +5,9 @@ The driver resolves the config once; :class:`WorkerGroup` puts it in the object
 store once, reserves a STRICT_PACK placement group (one bundle per rank), starts
 one actor per rank in it, has every rank accept the config and load its shard,
 then drives steps: :meth:`WorkerGroup.execute` sends the same step to every rank
-and waits for all of them with ONE bounded ``ray.get``; rank 0's result is returned.
+and waits for all of them with ONE bounded ``ray.get``; rank 0's result is returned
+(:meth:`WorkerGroup.execute_leaders`: every DP-attention rank's leader's result, in DP
+order).
 
 Every wait is bounded. A dead rank, a rank that raised, or a wait that ran out of
 time becomes a :class:`WorkerGroupError` naming the rank and the reason; the group
@@ -124,21 +126,28 @@ class WorkerGroup:
     # -- the step seam --------------------------------------------------------
 
     def execute(self, step: StepBatch) -> Any:
-        """Run ``step`` on every rank; returns rank 0's result (the sampled tokens).
+        """Run ``step`` on every rank; returns rank 0's result (the sampled tokens; under
+        DP attention, DP rank 0's part of them).
 
         Raises WorkerGroupError (naming the rank) when a rank died, raised, or did not
         answer within ``rpc_timeout_s``.
         """
+        return self.execute_leaders(step)[0]
+
+    def execute_leaders(self, step: StepBatch) -> list[Any]:
+        """Run ``step`` on every rank; returns the result of each DP-attention rank's leader
+        (:attr:`Topology.attn_dp_leaders`), in DP order: ``[rank 0's]`` without DP attention."""
         if self._error is not None:
             raise self._error
         step_ref = ray.put(step)
         results = self._gather([a.execute.remote(step_ref) for a in self.actors], "execute a step")
-        return results[0]
+        return [results[rank] for rank in self.topology.attn_dp_leaders]
 
-    def execute_logits(self, schedule: Any) -> Any:
-        """Run one scheduled step on every rank; returns rank 0's float32 logits ``[N, V]``
-        of the step's N sampling requests (the driver samples them)."""
-        return self.execute(StepBatch(schedule, (), return_logits=True))
+    def execute_logits(self, schedule: Any) -> list[Any]:
+        """Run one scheduled step on every rank; returns each DP rank's float32 logits
+        ``[N_d, V]`` of its part's sampling requests, in DP order (one entry without DP
+        attention); the driver concatenates and samples them."""
+        return self.execute_leaders(StepBatch(schedule, (), return_logits=True))
 
     def _gather(self, refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
         """Every rank's result, with ONE bounded ``ray.get`` over all of them."""

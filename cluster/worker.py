@@ -11,7 +11,9 @@
    CUDA) and one communicator per group of the config's :class:`Topology`, builds this
    rank's model shard and its KV cache;
 4. :meth:`Worker.execute` runs one scheduled batch; every rank runs it, rank 0
-   returns the sampled tokens.
+   returns the sampled tokens. Under DP attention every rank runs its DP rank's part
+   of the step (an empty part too: the rank still joins every collective) and each
+   DP rank's leader (attention-TP rank 0) returns that part's result.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
+from flotilla.cluster.engine.dp_scheduler import part_for_rank
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
@@ -43,11 +46,15 @@ class StepBatch:
     """What the driver sends to every rank for one step (picklable).
 
     Attributes:
-        schedule: the scheduler's output for this step.
-        rows: one sampling row per scheduled request that samples, in schedule order.
-        return_logits: when True, rank 0 returns the float32 logits ``[N, V]`` of the N
-            sampling requests (schedule order) instead of sampled tokens, and ``rows`` is
-            ignored: the driver samples (its seeded generators keep their state there).
+        schedule: the scheduler's output for this step: a ``SchedulerOutput``, or under DP
+            attention a :class:`~flotilla.cluster.engine.dp_scheduler.DPSchedulerOutput`
+            (every rank gets all parts and runs its DP rank's).
+        rows: one sampling row per scheduled request that samples, in schedule order
+            (DP-major under DP attention; each DP rank samples its own slice).
+        return_logits: when True, each DP rank's leader (rank 0 without DP attention)
+            returns the float32 logits ``[N, V]`` of its part's N sampling requests
+            (schedule order) instead of sampled tokens, and ``rows`` is ignored: the driver
+            samples (its seeded generators keep their state there).
 
     NOTE: a row's ``generator`` (seeded sampling) does not survive the trip to the
     workers with its state in sync across steps; send greedy or unseeded rows until the
@@ -104,6 +111,9 @@ class Worker:
         self.config: ResolvedConfig | None = None
         self.runner: ModelRunner | None = None
         self.layout: ParallelLayout | None = None
+        self.num_steps = 0
+        self.num_empty_steps = 0
+        self._is_dp_leader: bool | None = None
 
     def accept_config(self, config: ResolvedConfig) -> str:
         """Keep ``config`` when its digest is the group's; returns the digest.
@@ -161,29 +171,48 @@ class Worker:
         )
 
     def execute(self, step: StepBatch) -> list[SampledToken] | torch.Tensor | None:
-        """Run one step on this rank; rank 0 returns the sampled tokens (or, with
-        ``step.return_logits``, the logits of the sampling rows), the others None.
+        """Run this rank's part of one step (the whole step without DP attention); the
+        leader of each DP rank (attention-TP rank 0; rank 0 without DP attention) returns
+        the part's sampled tokens (or, with ``step.return_logits``, the logits of its
+        sampling rows), the others None.
 
-        NOTE: every rank runs the whole step, sampling included: the vocab-parallel
-        logits are all-gathered inside ``compute_logits``, a collective every rank must join.
+        NOTE: every rank of a DP rank runs the same part, sampling included: the
+        vocab-parallel logits are all-gathered inside ``compute_logits`` over attention TP,
+        a collective every rank of the DP rank joins or skips alike (it samples or not).
         """
-        if self.runner is None:
+        if self.runner is None or self.layout is None:
             raise RuntimeError(f"rank {self.rank}: execute() before load()")
+        part, rows = part_for_rank(step.schedule, self.layout.dp_rank, self.layout.dp_size)
+        self.num_steps += 1
+        self.num_empty_steps += part.is_empty
         if getattr(step, "return_logits", False):
-            logits = self._step_logits(step.schedule)
-            return logits if self.rank == 0 else None
-        tokens = self.runner.execute(step.schedule, list(step.rows))
-        return tokens if self.rank == 0 else None
+            result = self._step_logits(part)
+        else:
+            result = self.runner.execute(part, list(step.rows)[rows])
+        return result if self._leads_dp_rank() else None
+
+    def _leads_dp_rank(self) -> bool:
+        """Whether this rank returns its DP rank's results (Topology.attn_dp_leaders)."""
+        if self._is_dp_leader is None:
+            self._is_dp_leader = self.rank in Topology.from_config(self.config).attn_dp_leaders
+        return self._is_dp_leader
+
+    def step_stats(self) -> dict[str, int]:
+        """Steps this rank ran, and how many of them were empty (an idle DP rank's)."""
+        return {"steps": self.num_steps, "empty_steps": self.num_empty_steps}
 
     def _step_logits(self, schedule: SchedulerOutput) -> torch.Tensor:
         """Forward one step; the float32 logits ``[N, V]`` of its N sampling requests (on CPU)."""
         runner = self.runner
         with torch.inference_mode():
             input_ids, positions, meta, sample_index = runner.prepare_inputs(schedule)
+            # NOTE: runs for an empty part too (zero tokens): the rank still joins the step's
+            # collectives (attention TP; MoE layers across DP ranks).
             hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
             if sample_index.numel() == 0:
                 return torch.empty(0, runner.vocab_size, dtype=torch.float32)
-            # NOTE: compute_logits all-gathers the vocab shards: every rank must call it.
+            # NOTE: compute_logits all-gathers the vocab shards over attention TP: every rank
+            # of this DP rank runs the same part, so all of them reach this call.
             logits = runner.model.compute_logits(hidden.index_select(0, sample_index))
         return logits.float().cpu()
 

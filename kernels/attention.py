@@ -145,8 +145,14 @@ def paged_attention(
     """Causal attention of the new tokens over their whole paged context.
 
     ``q[T, Hq, D]``, ``k``/``v[T, Hkv, D]`` (GQA when ``Hq > Hkv``). Writes the new
-    K/V into the caches first, then attends. Returns ``[T, Hq, Dv]``.
+    K/V into the caches first, then attends. Returns ``[T, Hq, Dv]``; an empty batch
+    (``T == 0``, zero sequences: an idle DP-attention rank) gives ``[0, Hq, Dv]`` and
+    leaves the caches untouched.
     """
+    if q.shape[0] == 0:
+        # NOTE: nothing to write or attend to; return before building zero-size masks and
+        # calling SDPA on an empty batch (the CPU path copes, not every SDPA backend is known to).
+        return q.new_empty(0, q.shape[1], v.shape[-1])
     write_kv(k_cache, meta.slot_mapping, k)
     write_kv(v_cache, meta.slot_mapping, v)
     keys, valid = gather_kv(k_cache, meta)  # [B, L, Hkv, D]

@@ -5,7 +5,10 @@
 When the resolved ``tp_size`` is above 1 the model is sharded over ``tp_size`` Ray
 actors (:class:`~flotilla.cluster.group.WorkerGroup`); this adapter sends each step to
 the group, gets back rank 0's logits of the sampling rows, and samples them HERE with
-the driver's :class:`Sampler`.
+the driver's :class:`Sampler`. Under DP attention the step is a
+:class:`~flotilla.cluster.engine.dp_scheduler.DPSchedulerOutput`; every DP rank's leader
+returns the logits of its part, and they are concatenated in DP order, which is the
+order of the step's sampling rows (``scheduled`` is DP-major).
 
 NOTE: sampling stays on the driver so a seeded request's ``torch.Generator`` (held by
 the engine, advanced once per step) keeps its state across steps; shipping it to the
@@ -19,10 +22,15 @@ from typing import Sequence
 
 import torch
 
+from flotilla.cluster.engine.dp_scheduler import DPSchedulerOutput
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.resolution import ResolvedConfig
+
+
+# Bound on a step (and on startup) when --watchdog-timeout is not set: SGLang's default.
+DEFAULT_STEP_TIMEOUT_S = 300.0
 
 
 def ensure_ray(num_ranks: int) -> None:
@@ -42,10 +50,14 @@ class GroupRunner:
     Args:
         config: the resolved configuration (broadcast once to every rank).
         source: the model (every rank loads its own shard).
-        rpc_timeout_s: bound on every wait for the ranks.
+
+    The bounds come from the config, with SGLang's meanings: ``--watchdog-timeout`` bounds
+    every wait for the ranks (startup and each step; default 300 s) and ``--dist-timeout``
+    every collective inside them (default: the smaller of the step bound and 60 s). A dead
+    rank therefore surfaces as a ``WorkerGroupError`` within one step bound.
     """
 
-    def __init__(self, config: ResolvedConfig, source: ModelSource, rpc_timeout_s: float = 120.0):
+    def __init__(self, config: ResolvedConfig, source: ModelSource):
         from flotilla.cluster.group import WorkerGroup
 
         world_size = int(config.tp_size or 1)
@@ -53,8 +65,15 @@ class GroupRunner:
         self.config = config
         # NOTE: logits come back to the driver on CPU; the driver samples there.
         self.device = torch.device("cpu")
-        self.group = WorkerGroup(config, source, rpc_timeout_s=rpc_timeout_s)
-        self.kv_layout = self.group.kv_layout
+        self.group = WorkerGroup(
+            config,
+            source,
+            rpc_timeout_s=float(config.watchdog_timeout or DEFAULT_STEP_TIMEOUT_S),
+            collective_timeout_s=float(config.dist_timeout) if config.dist_timeout else None,
+        )
+        # NOTE: every rank must hold every block the scheduler hands out (each DP rank's
+        # scheduler is sized alike), so the pool is the smallest any rank allocated.
+        self.kv_layout = min((info.kv_layout for info in self.group.infos), key=lambda kv: kv.num_blocks)
         self.vocab_size = int(self.group.vocab_size)
         generator = None
         if config.random_seed is not None:
@@ -65,10 +84,12 @@ class GroupRunner:
         """A fresh generator on the driver, for a request with ``seed``."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def execute(self, step: SchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+    def execute(self, step: SchedulerOutput | DPSchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Run one step on every rank; returns one token per sampling request (schedule
-        order), sampled on the driver with ``rows`` (one per such request, same order)."""
-        logits = self.group.execute_logits(step)
+        order, DP-major under DP attention), sampled on the driver with ``rows`` (one per
+        such request, same order)."""
+        parts = self.group.execute_logits(step)
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if not rows:
             return []
         if len(rows) != logits.shape[0]:

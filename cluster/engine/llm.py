@@ -9,8 +9,9 @@ one rank, on a Ray worker group (started locally when none is running) when tp_s
 
 The server configuration is resolved ONCE, in the constructor, from the same
 flags ``flotilla serve`` takes (as keyword arguments: ``LLM(model, max_total_tokens=4096,
-chunked_prefill_size=512)``), the model's config.json and this machine's probed
-platform facts; ``llm.config`` holds the frozen result.
+chunked_prefill_size=512)``), the model's config.json and the probed platform facts
+of the workers' hardware (a Ray task on a worker node when connected to a cluster, else
+this machine); ``llm.config`` holds the frozen result.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.outputs import RequestOutput
 from flotilla.cluster.engine.sampling_params import SamplingParams, as_param_list
 from flotilla.cluster.models.sources import ModelSource, resolve_model_source
-from flotilla.cluster.platform import probe
+from flotilla.cluster.platform import probe_for_workers
 from flotilla.resolution import ModelFacts, PlatformFacts, ServerArgs, resolve
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class LLM:
     Args:
         model: ``None`` or ``"smollm2"`` (the embedded default), a local HF model directory,
             or a ``.gguf`` file. Nothing is downloaded.
-        platform: platform facts to resolve for (default: probe this machine).
+        platform: platform facts to resolve for (default: probe a worker node of the connected
+            Ray cluster as a Ray task, or this machine when none is connected).
         **server_flags: any server field by its ``ServerArgs`` name (``dtype``,
             ``max_total_tokens``, ``chunked_prefill_size``, ``context_length``,
             ``max_running_requests``, ``page_size``, ``disable_radix_cache``, ``random_seed``,
@@ -48,7 +50,7 @@ class LLM:
         model = server_flags.pop("model_path", model)
         self.source: ModelSource = resolve_model_source(model)
         args = ServerArgs.create(model_path=str(self.source.path), **server_flags)
-        self.config = resolve(args, ModelFacts.from_hf_config(self.source.config_dict), platform or probe())
+        self.config = resolve(args, ModelFacts.from_hf_config(self.source.config_dict), platform or probe_for_workers())
         self._tokenizer_error: str | None = None
         self.tokenizer = None if self.config.skip_tokenizer_init else self._load_tokenizer()
         self.engine = LLMEngine(self.config, self.source, self.tokenizer)
@@ -133,7 +135,10 @@ class LLM:
             for delta in self.engine.step():
                 if delta.finish_reason is not None and self.engine.get_output(delta.request_id).finished:
                     pending.discard(delta.request_id)
-        return [self.engine.pop_output(request_id) for request_id in added]
+        outputs = [self.engine.pop_output(request_id) for request_id in added]
+        if self.engine.dead is not None:
+            raise self.engine.dead
+        return outputs
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):

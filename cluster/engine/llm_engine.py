@@ -11,6 +11,12 @@ Bad input (empty prompt, a prompt that does not fit the context, bad sampling
 parameters, unknown stop token ids) raises ``ValueError`` from
 :meth:`LLMEngine.add_request` before anything is queued, so the engine keeps
 serving the requests it has.
+
+A failing runner (a dead worker rank, a collective or step that ran out of time) fails
+every in-flight request: each completion finishes with reason ``"error"`` and the
+message in ``RequestOutput.error``, its KV blocks are freed, and the engine refuses new
+requests with :class:`EngineDeadError` until :meth:`LLMEngine.restart` builds a fresh
+runner. Every wait is bounded, so this happens within the runner's timeouts.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback
+from flotilla.cluster.engine.dp_scheduler import build_scheduler
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
 from flotilla.cluster.engine.outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput, StepLogprobs
 from flotilla.cluster.engine.request import Request, RequestStatus
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
-from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.cluster.engine.scheduler import SchedulerConfig
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.resolution import ModelFacts, ResolvedConfig
 
@@ -83,6 +90,11 @@ class _Parent:
     streaming: bool = False
 
 
+class EngineDeadError(RuntimeError):
+    """The model runner failed; in-flight requests were failed and the engine needs
+    :meth:`LLMEngine.restart` before it accepts requests again."""
+
+
 class LLMEngine:
     """The offline engine: the model runs in this process at one rank, on a Ray worker group at tp_size > 1.
 
@@ -99,7 +111,8 @@ class LLMEngine:
         self.source = source
         self.tokenizer = tokenizer
         self.runner = runner or _build_runner(config, source)
-        self.scheduler = Scheduler(scheduler_config_for(config, self.runner.kv_layout))
+        # NOTE: a DPScheduler (one scheduler per DP-attention rank) under DP attention.
+        self.scheduler = build_scheduler(config, scheduler_config_for(config, self.runner.kv_layout))
         self.vocab_size = self.runner.vocab_size
         self.context_len = int(config.context_length or ModelFacts.from_hf_config(source.config_dict).context_len or 2048)
         self.eos_token_ids = _eos_ids(source.config_dict, tokenizer)
@@ -108,6 +121,8 @@ class LLMEngine:
         self._pending: list[CompletionDelta] = []
         self._backlog: dict[str, list[CompletionDelta]] = {}
         self._ids = itertools.count()
+        # Set when the runner failed (a worker died, a collective timed out): see restart().
+        self.dead: EngineDeadError | None = None
 
     # -- requests ----------------------------------------------------------------
 
@@ -124,6 +139,8 @@ class LLMEngine:
         ``stream=True`` keeps this request's deltas for :meth:`stream` while other
         requests are being streamed.
         """
+        if self.dead is not None:
+            raise self.dead
         params = params or SamplingParams()
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -232,7 +249,10 @@ class LLMEngine:
             return deltas
         sampling = [item.request for item in step.scheduled if item.samples]
         rows = [self._sampling_row(self._sequences[r.request_id]) for r in sampling]
-        tokens = self.runner.execute(step, rows)
+        try:
+            tokens = self.runner.execute(step, rows)
+        except Exception as exc:  # noqa: BLE001 - a dead rank, a timed-out collective, an OOM: fail, never hang
+            return deltas + self._fail_in_flight(exc)
         by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
         advanced = self.scheduler.update(step, {rid: t.token_id for rid, t in by_id.items()})
         for request in advanced:
@@ -240,6 +260,31 @@ class LLMEngine:
             self._keep_for_stream(delta)
             deltas.append(delta)
         return deltas
+
+    def _fail_in_flight(self, exc: BaseException) -> list[CompletionDelta]:
+        """The runner failed: finish every unfinished completion with ``"error"`` (freeing its
+        KV blocks), mark the engine dead and return the error deltas."""
+        reason = f"the model runner failed: {type(exc).__name__}: {exc}"
+        self.dead = EngineDeadError(f"{reason}; the engine must be restarted (LLMEngine.restart())")
+        deltas = []
+        for seq in list(self._sequences.values()):
+            self.scheduler.abort(seq.request.request_id)
+            self._finish(seq, "error", None)
+            seq.parent.output.error = reason
+            delta = CompletionDelta(seq.parent.output.request_id, seq.completion.index, [], "", None, "error", error=reason)
+            self._keep_for_stream(delta)
+            deltas.append(delta)
+        return deltas
+
+    def restart(self) -> None:
+        """Replace a failed runner (a fresh worker group) and scheduler; finished and failed
+        requests stay readable, new ones are accepted again."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+        self.runner = _build_runner(self.config, self.source)
+        self.scheduler = build_scheduler(self.config, scheduler_config_for(self.config, self.runner.kv_layout))
+        self.dead = None
 
     def _keep_for_stream(self, delta: CompletionDelta) -> None:
         parent = self._parents.get(delta.request_id)

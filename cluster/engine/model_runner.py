@@ -42,6 +42,13 @@ class KVCacheLayout:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
         bytes_per_token: cache bytes one token takes across all layers.
+
+    Under decode context parallelism (``dcp_size > 1``) this is the scheduler's LOGICAL view:
+    ``block_size = dcp_size * local_block_size`` (each rank's cache blocks hold
+    ``local_block_size`` rows, one logical block id naming the same block on every rank, see
+    :mod:`flotilla.kernels.dcp`), ``num_blocks`` is the local pool's count, and
+    ``bytes_per_token`` is what one rank stores per logical token: one cache row's bytes
+    divided by ``dcp_size`` (rounded up).
     """
 
     num_blocks: int
@@ -98,14 +105,25 @@ class ModelRunner:
             device=self.device,
             attention_backend=kernel_backend_for(config),
             parallel=parallel or ParallelLayout(),
+            load_format=config.load_format or "auto",
+            num_redundant_experts=int(config.ep_num_redundant_experts or 0),
         )
         if pack_weights and self.device.type == "cpu":
             pack_linear_layers(self.model)
         self.vocab_size = int(source.config_dict["vocab_size"])
         spec = self.model.kv_cache_spec()
-        block_size = block_size_for(config)
-        num_tokens = self._kv_cache_tokens(spec.bytes_per_token())
-        self.kv_layout = KVCacheLayout(max(1, num_tokens // block_size), block_size, spec.bytes_per_token())
+        dcp_size = (parallel or ParallelLayout()).dcp_size
+        if dcp_size > 1 and not any(getattr(m, "supports_dcp", False) for m in self.model.modules()):
+            raise NotImplementedError(
+                f"dcp_size={dcp_size} is not supported for {type(self.model).__name__}: decode context "
+                f"parallelism shards the MLA latent cache (DeepSeek-V2/V3) only; use dcp_size=1"
+            )
+        block_size = block_size_for(config)  # per rank: the local block size under DCP
+        row_bytes = spec.bytes_per_token()
+        num_rows = self._kv_cache_tokens(row_bytes, dcp_size)
+        self.kv_layout = KVCacheLayout(
+            max(1, num_rows // block_size), block_size * dcp_size, -(-row_bytes // dcp_size)
+        )
         with torch.inference_mode():
             self.kv_caches = spec.allocate(self.kv_layout.num_blocks, block_size, self.device)
         generator = None
@@ -113,9 +131,11 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
         self.sampler = Sampler(generator)
 
-    def _kv_cache_tokens(self, bytes_per_token: int) -> int:
+    def _kv_cache_tokens(self, bytes_per_token: int, dcp_size: int = 1) -> int:
+        """Cache rows this rank holds. ``--max-total-tokens`` counts the engine's (logical)
+        tokens, of which one DCP rank stores ``1 / dcp_size``; the memory budget counts rows."""
         if self.config.max_total_tokens:
-            return int(self.config.max_total_tokens)
+            return -(-int(self.config.max_total_tokens) // dcp_size)
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
@@ -150,7 +170,11 @@ class ModelRunner:
 
     def prepare_inputs(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids[T], positions[T], meta, sample_index[N])`` of a step, where
-        ``sample_index`` holds the flat index of the last new token of each sampling request."""
+        ``sample_index`` holds the flat index of the last new token of each sampling request.
+
+        An empty step (an idle DP-attention rank) gives zero-length tensors and a zero-sequence
+        ``meta`` (``block_tables`` ``[0, 1]``, max lengths 0): the forward still runs, so the
+        rank joins every collective of the step."""
         block_size = self.kv_layout.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -176,16 +200,16 @@ class ModelRunner:
             tables.append(blocks[: (end + block_size - 1) // block_size])
             if item.samples:
                 sample_index.append(query_start[-1] - 1)
-        width = max(len(t) for t in tables)
+        width = max((len(t) for t in tables), default=1)
         padded = [t + [0] * (width - len(t)) for t in tables]
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_start=torch.tensor(query_start, dtype=torch.long, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
-            max_query_len=max(item.num_new_tokens for item in step.scheduled),
-            max_seq_len=max(seq_lens),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
+            max_query_len=max((item.num_new_tokens for item in step.scheduled), default=0),
+            max_seq_len=max(seq_lens, default=0),
             block_size=block_size,
         )
         return (

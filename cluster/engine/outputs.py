@@ -38,7 +38,8 @@ class CompletionOutput:
         cumulative_logprob: sum of the sampled tokens' logprobs when logprobs were asked for.
         logprobs: per generated token, the top candidates, when ``SamplingParams.logprobs`` is set.
         finish_reason: ``"stop"`` (eos, stop string or stop token), ``"length"`` (max_tokens or the
-            context limit), ``"abort"``, or ``None`` while running.
+            context limit), ``"abort"``, ``"error"`` (the engine failed it: see
+            ``RequestOutput.error``), or ``None`` while running.
         stop_reason: the stop string or stop token id that ended it (``None`` for eos or length).
     """
 
@@ -65,6 +66,8 @@ class RequestOutput:
         outputs: one :class:`CompletionOutput` per completion.
         finished: every completion has finished.
         num_cached_tokens: prompt tokens served from the prefix cache (first completion).
+        error: why the engine failed this request (its completions finish with reason
+            ``"error"``), or None.
     """
 
     request_id: str
@@ -73,6 +76,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -87,6 +91,7 @@ class CompletionDelta:
         logprobs: candidates for each of ``token_ids`` when asked for.
         finish_reason: set on the last delta of a completion.
         stop_reason: see :class:`CompletionOutput`.
+        error: with ``finish_reason == "error"``, what failed.
     """
 
     request_id: str
@@ -96,6 +101,7 @@ class CompletionDelta:
     logprobs: list[StepLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

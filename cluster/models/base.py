@@ -117,12 +117,15 @@ class ModelConfig:
         dtype: parameter and activation dtype.
         parallel: tensor-parallel layout of this rank.
         attention_backend: name of the kernel backend for attention ops.
+        num_redundant_experts: extra physical expert slots of every MoE layer
+            (``--ep-num-redundant-experts``), holding copies of logical experts.
     """
 
     hf: Mapping[str, Any]
     dtype: torch.dtype = torch.float32
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "torch"
+    num_redundant_experts: int = 0
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.hf.get(key, default)

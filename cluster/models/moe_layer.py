@@ -1,34 +1,45 @@
-"""Mixture-of-experts layers: the router gate and the expert-parallel-ready fused experts.
+"""Mixture-of-experts layers: the router gate and the parallel fused experts.
 
-:class:`FusedMoE` holds every local expert's weights stacked, as the fused-MoE kernels
-want them: ``w13[E_local, 2*I, H]`` (gate rows, then up rows) and ``w2[E_local, H, I]``.
-A checkpoint stores one small matrix per expert; :meth:`FusedMoE.checkpoint_shard`
-names where each lands, and the parameters' ``weight_loader`` copies it in. Shared
-experts and dense MLP layers are the model's business (plain MLPs).
+:class:`FusedMoE` holds its rank's expert weights stacked, as the fused-MoE kernels want
+them: ``w13[S, 2*I/moe_tp, H]`` (gate rows, then up rows) and ``w2[S, H, I/moe_tp]``, one
+row per *physical slot* this rank holds. A checkpoint stores one small matrix per logical
+expert; :meth:`FusedMoE.checkpoint_shard` names where each lands, and the parameters'
+``weight_loader`` copies it into every local slot that holds that expert. Shared experts
+and dense MLP layers are the model's business (plain tensor-parallel MLPs).
 
-Parallel layout (given, never probed):
+Parallel layout (given by :class:`~flotilla.cluster.models.base.ParallelLayout`, never probed):
 
-- expert parallelism: ``ep_size`` ranks each own a contiguous range of
-  ``num_experts / ep_size`` experts; ``expert_map`` (global id -> local index or -1) tells
-  the kernel which routed tokens it computes here. Experts outside the range are simply
-  not loaded. With ``ep_size == 1`` (today) every expert is local and there is no map.
-- MoE tensor parallelism (``parallel``): each rank holds a slice of every expert's
-  intermediate dimension (rows of gate/up, columns of down).
+- Expert parallelism (``ep_size``, ``ep_rank``): an
+  :class:`~flotilla.cluster.eplb.ExpertPlacement` maps the model's ``E`` logical experts onto
+  ``E + num_redundant_experts`` physical slots, ``slots_per_rank`` per EP rank (rank-major:
+  rank ``r`` owns slots ``[r*S, (r+1)*S)``); slot ``s`` loads the weights of logical expert
+  ``phy2log[s]``. The router picks logical ids; each (token, k) pair is then sent to one
+  replica slot (:meth:`FusedMoE.slots_for`, deterministic, the rule of
+  :func:`~flotilla.cluster.eplb.choose_replica`), and ``expert_map`` (slot -> local row or
+  ``-1``) tells the kernel which pairs this rank computes.
+- MoE tensor parallelism (``moe_tp_size``, ``moe_tp_rank``): each rank holds a slice of every
+  local expert's intermediate dimension (rows of gate/up, columns of down), so its output is
+  a partial sum. NOTE: this is the MoE view of the topology, not attention TP: with
+  ``tp_size=2`` and no EP, ``moe_tp_size == 2``; with ``tp_size=2, ep_size=2`` it is 1.
+- How tokens meet their experts across ranks (all-reduce of partial sums, or all-to-all
+  dispatch/combine), and DP-attention lockstep, are :mod:`~flotilla.cluster.models.moe_dispatch`'s job.
 
-Both leave each rank with a partial sum of the output; ``all_reduce`` (if given) sums it.
+The maps live in buffers built from one placement object (:meth:`FusedMoE.set_placement`
+swaps it, e.g. when elastic EP grows the group or EPLB rebalances).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.cluster.eplb import ExpertPlacement, trivial_placement
 from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.layers import default_weight_loader
+from flotilla.cluster.models.moe_dispatch import make_dispatcher
 from flotilla.kernels import registry
 
 # Checkpoint spellings of each expert's three matrices: HF Qwen/DeepSeek names and Mixtral's.
@@ -41,7 +52,7 @@ class MoERouter(nn.Module):
 
     Args:
         hidden_size: model width ``H``.
-        num_experts: routed experts ``E`` (global count).
+        num_experts: routed experts ``E`` (logical count).
         with_correction_bias: keep DeepSeek-V3's ``e_score_correction_bias[E]`` (added to
             the scores for expert choice only).
         float32_logits: compute the logits in float32 whatever the model dtype (DeepSeek
@@ -75,7 +86,7 @@ class FusedMoE(nn.Module):
     """Routed experts: select ``top_k`` experts per token and sum their gated MLPs.
 
     Args:
-        num_experts: global number of routed experts.
+        num_experts: number of logical routed experts ``E`` (the ids the router emits).
         top_k: experts per token.
         hidden_size: model width ``H``.
         intermediate_size: each expert's (full, unsharded) intermediate width ``I``.
@@ -85,11 +96,15 @@ class FusedMoE(nn.Module):
             of ``num_expert_group`` groups first, then experts inside them.
         routed_scaling_factor: multiplies the routing weights (DeepSeek).
         activation: the experts' gated activation (``"silu"``).
-        ep_size, ep_rank: expert-parallel layout (this rank owns a contiguous expert range).
-        parallel: MoE tensor-parallel layout (splits ``I``).
+        parallel: this rank's layout: ``ep_size``/``ep_rank`` (which slots), ``moe_tp_size``/
+            ``moe_tp_rank`` (which slice of ``I``), ``dp_size`` and ``moe_a2a_backend`` (how
+            tokens are exchanged) and the communicators (see the module docstring).
+        num_redundant_experts: extra physical slots holding copies of experts; used only
+            when ``placement`` is None (then the placement is
+            ``trivial_placement(E, ep_size, num_redundant_experts)``).
+        placement: the logical -> physical map; its ``ep_size`` must be ``parallel.ep_size``.
         dtype: weight dtype.
         backend: kernel backend of ``select_experts`` / ``fused_moe``.
-        all_reduce: sums partial outputs across the EP/TP group when either is > 1.
     """
 
     def __init__(
@@ -105,24 +120,24 @@ class FusedMoE(nn.Module):
         topk_group: int | None = None,
         routed_scaling_factor: float = 1.0,
         activation: str = "silu",
-        ep_size: int = 1,
-        ep_rank: int = 0,
         parallel: ParallelLayout = ParallelLayout(),
+        num_redundant_experts: int = 0,
+        placement: ExpertPlacement | None = None,
         dtype: torch.dtype = torch.float32,
         backend: str = "torch",
-        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         super().__init__()
         if top_k < 1 or top_k > num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({num_experts})")
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
-        if intermediate_size % parallel.tp_size:
+        if intermediate_size % parallel.moe_tp_size:
             raise ValueError(
-                f"moe_intermediate_size={intermediate_size} is not divisible by tp_size={parallel.tp_size}"
+                f"moe_intermediate_size={intermediate_size} is not divisible by moe_tp_size={parallel.moe_tp_size} "
+                f"(the MoE tensor-parallel width tp_size / (ep_size * moe_dp_size)); choose an ep_size that leaves "
+                f"a MoE-TP width dividing it"
             )
         self.num_experts = num_experts
         self.top_k = top_k
+        self.hidden_size = hidden_size
         self.renormalize = renormalize
         self.scoring = scoring
         self.num_expert_group = num_expert_group
@@ -130,24 +145,73 @@ class FusedMoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.activation = activation
         self.parallel = parallel
-        self.ep_size = ep_size
-        self.all_reduce = all_reduce
-        self.num_local_experts = num_experts // ep_size
-        self.first_local_expert = ep_rank * self.num_local_experts
-        self.intermediate_per_rank = intermediate_size // parallel.tp_size
+        self.dtype = dtype
+        self.intermediate_per_rank = intermediate_size // parallel.moe_tp_size
         self._select = registry.get("select_experts", backend)
         self._experts = registry.get("fused_moe", backend)
+        self.dispatcher = make_dispatcher(parallel)
+        self.set_placement(
+            placement or trivial_placement(num_experts, parallel.ep_size, num_redundant_experts)
+        )
 
-        e, i, h = self.num_local_experts, self.intermediate_per_rank, hidden_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
-        self.w13.weight_loader = self._load  # type: ignore[attr-defined]
-        self.w2.weight_loader = self._load  # type: ignore[attr-defined]
-        expert_map = None
-        if ep_size > 1:
-            expert_map = torch.full((num_experts,), -1, dtype=torch.int64)
-            expert_map[self.first_local_expert : self.first_local_expert + e] = torch.arange(e)
-        self.register_buffer("expert_map", expert_map, persistent=False)
+    # ----------------------------------------------------------------- placement
+
+    def set_placement(self, placement: ExpertPlacement) -> list[int]:
+        """Adopt ``placement``: rebuild the slot maps and return the local rows whose logical
+        expert changed, which the caller must (re)load (e.g. ``model.load_weights`` again, or
+        copies from a peer).
+
+        Rows whose expert is unchanged keep their weights; when ``slots_per_rank`` changes the
+        weight tensors are reallocated and every row must be loaded. This is the seam for EPLB
+        rebalancing and elastic EP growth (which also hands the layer a grown ``parallel``
+        layout first); every rank of the group must adopt the same placement before the next
+        forward, or the ranks would disagree on which slot serves a pair.
+        """
+        ep = self.parallel
+        if placement.num_logical != self.num_experts:
+            raise ValueError(
+                f"placement has num_logical={placement.num_logical} experts, this layer has {self.num_experts}"
+            )
+        if placement.ep_size != ep.ep_size:
+            raise ValueError(
+                f"placement.ep_size={placement.ep_size} does not match the layout's ep_size={ep.ep_size}"
+            )
+        old = getattr(self, "local_logical_experts", None)
+        new = placement.local_logical_experts(ep.ep_rank)
+        if old is None or len(old) != len(new):
+            s, i, h = len(new), self.intermediate_per_rank, self.hidden_size
+            self.w13 = nn.Parameter(torch.empty(s, 2 * i, h, dtype=self.dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(s, h, i, dtype=self.dtype), requires_grad=False)
+            self.w13.weight_loader = self._load  # type: ignore[attr-defined]
+            self.w2.weight_loader = self._load  # type: ignore[attr-defined]
+            changed = list(range(len(new)))
+        else:
+            changed = [row for row, (a, b) in enumerate(zip(old, new)) if a != b]
+        self.placement = placement
+        self.local_logical_experts: list[int] = new
+        self.slots_per_rank = placement.slots_per_rank
+        # NOTE: buffers, so they follow the module's device; rebuilt whole from one placement.
+        max_copies = max(len(slots) for slots in placement.log2phy)
+        table = torch.full((self.num_experts, max_copies), -1, dtype=torch.int64)
+        for expert, slots in enumerate(placement.log2phy):
+            table[expert, : len(slots)] = torch.tensor(slots)
+        device = self.w13.device
+        self.register_buffer("log2phy", table.to(device), persistent=False)
+        copies = torch.tensor([len(s) for s in placement.log2phy], dtype=torch.int64)
+        self.register_buffer("replica_counts", copies.to(device), persistent=False)
+        expert_map = torch.tensor(placement.local_expert_map(ep.ep_rank), dtype=torch.int64)
+        self.register_buffer("expert_map", expert_map.to(device), persistent=False)
+        return changed
+
+    def slots_for(self, topk_ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Physical slot of each (token, k) pair of ``topk_ids[T, k]`` (logical ids).
+
+        Row ``t`` (numbered from ``first_row``) takes replica ``t % copies`` of its expert, as
+        :func:`~flotilla.cluster.eplb.choose_replica`: deterministic, so ranks that route the
+        same rows agree on the slot.
+        """
+        rows = torch.arange(first_row, first_row + topk_ids.shape[0], device=topk_ids.device).unsqueeze(1)
+        return self.log2phy[topk_ids, rows % self.replica_counts[topk_ids]]
 
     # ----------------------------------------------------------------- loading
 
@@ -158,8 +222,9 @@ class FusedMoE(nn.Module):
         name is not an expert weight.
 
         ``shard_id`` is ``(part, expert_id)`` with part ``w1`` (gate), ``w3`` (up) or ``w2``
-        (down) for per-expert checkpoint tensors, and None for transformers' in-memory
-        stacked tensors ``experts.gate_up_proj[E, 2I, H]`` / ``experts.down_proj[E, H, I]``.
+        (down) for per-expert checkpoint tensors (``expert_id`` is the logical id), and None
+        for transformers' in-memory stacked tensors ``experts.gate_up_proj[E, 2I, H]`` /
+        ``experts.down_proj[E, H, I]``.
         """
         match = _PER_EXPERT.match(name)
         if match:
@@ -184,23 +249,25 @@ class FusedMoE(nn.Module):
                     self._load(param, loaded[expert, full_i:], ("w3", expert))
             return
         part, expert = shard_id
-        local = expert - self.first_local_expert
-        if not 0 <= local < self.num_local_experts:
-            return  # another expert-parallel rank owns this expert
-        i, start = self.intermediate_per_rank, self.parallel.tp_rank * self.intermediate_per_rank
-        if part == "w2":
-            default_weight_loader(param.data[local], loaded.narrow(1, start, i))  # type: ignore[arg-type]
-        else:
-            rows = slice(0, i) if part == "w1" else slice(i, 2 * i)
-            default_weight_loader(param.data[local, rows], loaded.narrow(0, start, i))  # type: ignore[arg-type]
+        i, start = self.intermediate_per_rank, self.parallel.moe_tp_rank * self.intermediate_per_rank
+        # NOTE: a logical expert may sit in several local slots (redundant copies) or in none
+        # (another EP rank holds it): copy into each.
+        for row, held in enumerate(self.local_logical_experts):
+            if held != expert:
+                continue
+            if part == "w2":
+                default_weight_loader(param.data[row], loaded.narrow(1, start, i))  # type: ignore[arg-type]
+            else:
+                rows = slice(0, i) if part == "w1" else slice(i, 2 * i)
+                default_weight_loader(param.data[row, rows], loaded.narrow(0, start, i))  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- forward
 
-    def forward(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``hidden[T, H]``, ``router_logits[T, E]`` -> ``[T, H]`` (reduced across the group)."""
-        weights, ids = self._select(
+    def route(
+        self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``router_logits[T, E]`` -> ``(topk_weights[T, k] float32, topk_ids[T, k])`` (logical ids)."""
+        return self._select(
             router_logits,
             self.top_k,
             self.renormalize,
@@ -210,9 +277,19 @@ class FusedMoE(nn.Module):
             correction_bias=correction_bias,
             routed_scaling_factor=self.routed_scaling_factor,
         )
-        out = self._experts(
-            hidden, self.w13, self.w2, weights, ids, activation=self.activation, expert_map=self.expert_map
+
+    def compute(self, hidden: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on ``hidden[T, H]``: ``sum_k weights[t, k] * expert(slot_ids[t, k])``
+        over the pairs whose slot is local (others add nothing); a partial sum under MoE TP."""
+        return self._experts(
+            hidden, self.w13, self.w2, weights, slot_ids, activation=self.activation, expert_map=self.expert_map
         )
-        if self.all_reduce is not None and (self.ep_size > 1 or self.parallel.tp_size > 1):
-            out = self.all_reduce(out)
-        return out
+
+    def forward(
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``hidden[T, H]``, ``router_logits[T, E]`` -> ``[T, H]``, complete (summed over every
+        expert and every MoE-TP slice). ``T`` may be 0 (an idle DP-attention rank), and every
+        rank of the engine group must call it, since it may run collectives."""
+        weights, ids = self.route(router_logits, correction_bias)
+        return self.dispatcher(self, hidden, weights, ids)

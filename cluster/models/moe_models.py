@@ -188,7 +188,8 @@ class GQAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         out = self._attend(q, k, v, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        # NOTE: explicit width: an idle DP-attention rank has 0 tokens, and -1 is ambiguous then.
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 # --------------------------------------------------------------------------- decoder
@@ -210,6 +211,7 @@ class SparseMoeBlock(nn.Module):
             parallel=cfg.parallel,
             dtype=cfg.dtype,
             backend=KERNEL_BACKEND,
+            num_redundant_experts=cfg.num_redundant_experts,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -140,12 +140,15 @@ def load_model(
     attention_backend: str = "torch",
     parallel: ParallelLayout | None = None,
     load_format: str = "auto",
+    num_redundant_experts: int = 0,
 ):
     """Build the model for ``source``'s architecture and load its weights (this rank's
     shard under ``parallel``).
 
     ``load_format`` is ``"auto"`` (the checkpoint: safetensors, ``.bin`` or GGUF) or
     ``"dummy"`` (deterministic random weights, see :mod:`flotilla.cluster.models.dummy_weights`).
+    ``num_redundant_experts`` adds that many physical slots to every MoE layer (copies of
+    logical experts, placed by :func:`flotilla.cluster.eplb.trivial_placement`).
 
     Returns the model in eval mode on ``device``, parameters in the resolved ``dtype``.
     """
@@ -157,6 +160,7 @@ def load_model(
         dtype=resolve_dtype(dtype, source, device),
         parallel=parallel or ParallelLayout(),
         attention_backend=attention_backend,
+        num_redundant_experts=num_redundant_experts,
     )
     with torch.device(device):
         model = cls(config)

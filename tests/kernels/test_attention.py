@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flotilla.kernels.attention import context_slots
+from flotilla.kernels.attention import AttentionMetadata, context_slots
 from flotilla.kernels.registry import get
 
 HEAD_DIM, Q_HEADS = 16, 4
@@ -73,3 +73,24 @@ def test_sliding_window_changes_the_result(make_paged_batch):
         outs.append(get("paged_attention")(q, k, v, torch.zeros(cache_shape), torch.zeros(cache_shape), meta, 0.25, window))
     torch.testing.assert_close(outs[0][:2], outs[1][:2])  # the first two tokens see the same keys
     assert not torch.allclose(outs[0][2:], outs[1][2:])
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_empty_batch_returns_no_rows_and_leaves_the_cache(sliding_window):
+    """An idle DP-attention rank runs a step of zero tokens and zero sequences (the
+    metadata ``ModelRunner.prepare_inputs`` builds for an empty part)."""
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start=torch.zeros(1, dtype=torch.long),
+        seq_lens=torch.zeros(0, dtype=torch.long),
+        block_tables=torch.zeros(0, 1, dtype=torch.long),
+        max_query_len=0,
+        max_seq_len=0,
+        block_size=4,
+    )
+    k_cache, v_cache = torch.randn(3, 4, 2, HEAD_DIM), torch.randn(3, 4, 2, HEAD_DIM)
+    before = (k_cache.clone(), v_cache.clone())
+    q, kv = torch.randn(0, Q_HEADS, HEAD_DIM), torch.randn(0, 2, HEAD_DIM)
+    out = get("paged_attention")(q, kv, kv, k_cache, v_cache, meta, 0.25, sliding_window)
+    assert out.shape == (0, Q_HEADS, HEAD_DIM) and out.dtype == q.dtype
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -25,13 +25,12 @@ killed when they do not finish in time, so a failing rank cannot hang the test.
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from helpers.ranks import free_port, run_ranks
 
 ATOL = 1e-4
 _COLLECTIVE_TIMEOUT_S = 20.0
@@ -153,42 +152,6 @@ def _save_random_model(case: str, model_dir: Path) -> None:
     hf.save_pretrained(model_dir)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(model_dir: Path, world_size: int, out_path: Path) -> None:
-    """Start ``world_size`` rank processes and wait for all of them, bounded."""
-    port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(model_dir), str(rank), str(world_size), str(port), str(out_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=_RANK_TIMEOUT_S)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        outputs.append(f"rank {len(outputs)} did not finish within {_RANK_TIMEOUT_S}s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"rank(s) failed {failed}:\n" + "\n".join(o[-3000:] for o in outputs)
-
-
 def _check_case(case: str, tmp_path: Path) -> None:
     model_dir = tmp_path / case
     _save_random_model(case, model_dir)
@@ -198,7 +161,7 @@ def _check_case(case: str, tmp_path: Path) -> None:
     assert max(l.abs().max() for l in expected_logits) > 1.0  # not a comparison of near-zero logits
 
     out_path = tmp_path / f"{case}-rank0.pt"
-    _run_ranks(model_dir, world_size, out_path)
+    run_ranks(__file__, world_size, [model_dir, free_port(), out_path], _RANK_TIMEOUT_S)
     got = torch.load(out_path)
     assert len(got["logits"]) == len(expected_logits)
     for step, (actual, expected) in enumerate(zip(got["logits"], expected_logits)):
@@ -243,4 +206,5 @@ def test_kv_heads_per_rank_replicates_or_divides():
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    # argv: rank, world_size, model_dir, port, out_path (see helpers.ranks.run_ranks)
+    _rank_main(sys.argv[3], int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[4]), sys.argv[5])

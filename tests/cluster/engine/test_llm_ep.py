@@ -1,0 +1,57 @@
+"""``LLM(model, tp_size=2, ep_size=2, moe_a2a_backend=...)`` on a local Ray worker group
+(loopback, CPU, gloo) against ``LLM(model)`` in process, on a tiny Qwen3-MoE: each rank holds
+half the experts, and greedy continuations of prompts of different lengths match token for
+token with both token exchanges (``none``: partial outputs all-reduced; ``deepep``: pairs
+dispatched to and combined from their experts' ranks, on CPU with torch.distributed's
+all-to-all)."""
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from flotilla import LLM, SamplingParams  # noqa: E402
+from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
+from helpers.tiny_moe import save_tiny_qwen3_moe  # noqa: E402
+
+NEW_TOKENS = 32
+PROMPT_LENS = (5, 17, 40)
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe-ep")
+    save_tiny_qwen3_moe(path)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+    return str(path), prompts
+
+
+def _greedy(path: str, prompts, **flags) -> list[list[int]]:
+    llm = LLM(path, max_total_tokens=1024, **flags)
+    try:
+        if flags:
+            assert isinstance(llm.engine.runner, GroupRunner)
+            resolved = (llm.config.ep_size, llm.config.moe_a2a_backend, llm.config.ep_num_redundant_experts)
+            assert resolved == (flags["ep_size"], flags["moe_a2a_backend"], flags["ep_num_redundant_experts"])
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_moe):
+    path, prompts = tiny_moe
+    tokens = _greedy(path, prompts)
+    assert all(len(t) == NEW_TOKENS for t in tokens)
+    return tokens
+
+
+@pytest.mark.parametrize("backend, redundant", [("none", 0), ("deepep", 0), ("deepep", 2)])
+def test_tp2_ep2_greedy_matches_single_rank(ray_cluster, tiny_moe, single_rank, backend, redundant):
+    """``redundant``: ``--ep-num-redundant-experts`` copies (10 physical slots for 8 experts,
+    5 per rank): tokens routed to a copied expert go to one replica, with the same result."""
+    path, prompts = tiny_moe
+    flags = dict(tp_size=2, ep_size=2, moe_a2a_backend=backend, ep_num_redundant_experts=redundant)
+    assert _greedy(path, prompts, **flags) == single_rank
