@@ -55,3 +55,15 @@ def test_tp2_ep2_greedy_matches_single_rank(ray_cluster, tiny_moe, single_rank, 
     path, prompts = tiny_moe
     flags = dict(tp_size=2, ep_size=2, moe_a2a_backend=backend, ep_num_redundant_experts=redundant)
     assert _greedy(path, prompts, **flags) == single_rank
+
+
+@pytest.mark.parametrize("backend", ["none", "deepep"])
+def test_dp_attention_with_ep4_runs_moe_in_lockstep(ray_cluster, tiny_moe, single_rank, backend):
+    """Four ranks: two DP-attention ranks (each with its own scheduler and KV pool, attention
+    TP 2) whose MoE layers exchange tokens across all four EP ranks every step; with three
+    prompts one DP rank has fewer requests, and greedy tokens still match the single rank."""
+    path, prompts = tiny_moe
+    flags = dict(
+        tp_size=4, dp_size=2, enable_dp_attention=True, ep_size=4, moe_a2a_backend=backend, ep_num_redundant_experts=0
+    )
+    assert _greedy(path, prompts, **flags) == single_rank
