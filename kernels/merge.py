@@ -37,3 +37,27 @@ def merge_attention_states(
     out = (part_a + part_b) / safe_total
     lse = top + torch.log(total)  # log(0) = -inf for two empty parts
     return out.to(out_a.dtype), lse
+
+
+@register("merge_attention_states_n", "torch")
+def merge_attention_states_n(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine ``N`` partial outputs (e.g. one per DCP rank) into the output over the union.
+
+    Args:
+        outs: ``[N, T, H, D]`` attention outputs, each normalised over its own keys.
+        lses: ``[N, T, H]`` their natural-log sum-exps; ``-inf`` for a part with no keys
+            (its output is ignored, even if NaN).
+
+    Returns ``(out[T, H, D] in outs.dtype, lse[T, H] float32)``; where every part is empty,
+    ``out`` is 0 and ``lse`` is ``-inf``. Equals folding :func:`merge_attention_states`
+    over the parts, in one pass.
+    """
+    lses = lses.float()
+    top = lses.max(dim=0).values
+    # NOTE: as in the pairwise merge: subtract 0, not -inf, where every part is empty.
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    weights = torch.exp(lses - top)  # [N, T, H]; exactly 0 for empty parts
+    total = weights.sum(dim=0)
+    parts = torch.where((weights > 0).unsqueeze(-1), outs.float() * weights.unsqueeze(-1), 0.0)
+    safe_total = torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1)
+    return (parts.sum(dim=0) / safe_total).to(outs.dtype), top + torch.log(total)

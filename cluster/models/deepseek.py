@@ -44,6 +44,7 @@ from flotilla.cluster.models.moe_models import (
 )
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.dcp import dcp_local_view
 
 # NOTE: HF (and DeepSeek's own code) build q_a_layernorm / kv_a_layernorm with the
 # RMSNorm default epsilon, not config.rms_norm_eps.
@@ -71,8 +72,64 @@ def _replicated(in_features: int, out_features: int, bias: bool, dtype: torch.dt
     return ColumnParallelLinear(in_features, out_features, bias=bias, parallel=ParallelLayout(), dtype=dtype)
 
 
+# DCP merge exchanges (``dcp_comm_backend``). NOTE: ``fi_a2a`` is FlashInfer's implementation
+# of the same all-to-all exchange; on the torch path it runs as ``a2a``.
+_DCP_COMM_BACKENDS = {"ag_rs": "ag_rs", "a2a": "a2a", "fi_a2a": "a2a"}
+
+
+def dcp_combine_ag_rs(out: torch.Tensor, lse: torch.Tensor, comm: Any) -> torch.Tensor:
+    """Merge DCP partial attention by all-gather + reduce-scatter.
+
+    ``out[T, Hg, Dv]`` / ``lse[T, Hg]`` are this rank's partial over its token shard for all
+    ``Hg`` heads of the DCP group (in group rank order). The per-head LSEs are all-gathered,
+    each partial is rescaled by ``exp(lse_local - lse_global)`` (0 for an empty shard) and the
+    rescaled partials are summed and scattered by head: returns ``[T, Hg / dcp, Dv]`` for
+    this rank's own heads (in ``out.dtype``; the sum runs in float32).
+    """
+    total = torch.logsumexp(comm.all_gather(lse.float().unsqueeze(0), dim=0), dim=0)  # [T, Hg]
+    # NOTE: an empty shard (lse = -inf) weighs 0, also where every shard is empty (no NaN).
+    weight = torch.where(torch.isneginf(lse), 0.0, torch.exp(lse.float() - total))
+    return comm.reduce_scatter(out.float() * weight.unsqueeze(-1), dim=1).to(out.dtype)
+
+
+def dcp_combine_a2a(out: torch.Tensor, lse: torch.Tensor, comm: Any, merge_n: Any) -> torch.Tensor:
+    """Merge DCP partial attention by all-to-all: every rank sends each peer the partials
+    (output and LSE) of that peer's heads and merges the ``dcp`` partials it receives for its
+    own heads with ``merge_n`` (``merge_attention_states_n``). Shapes as in
+    :func:`dcp_combine_ag_rs`."""
+    tokens, group_heads, v_dim = out.shape
+    size = comm.size
+    heads = group_heads // size
+    # NOTE: output and LSE travel in one float32 message, the LSE as an extra channel.
+    packed = torch.cat([out.float(), lse.float().unsqueeze(-1)], dim=-1).view(tokens, size, heads, v_dim + 1)
+    received, _ = comm.all_to_all(packed.transpose(0, 1).reshape(size * tokens, heads, v_dim + 1), [tokens] * size)
+    received = received.view(size, tokens, heads, v_dim + 1)
+    merged, _ = merge_n(received[..., :v_dim], received[..., v_dim])
+    return merged.to(out.dtype)
+
+
 class MLAttention(nn.Module):
-    """Multi-head latent attention over a latent paged cache."""
+    """Multi-head latent attention over a latent paged cache.
+
+    Heads are split over attention TP. Under decode context parallelism
+    (``parallel.dcp_size > 1``, a slice of attention TP) the latent cache is sharded by
+    token (position ``p`` on DCP rank ``p % dcp_size``, see :mod:`flotilla.kernels.dcp`):
+
+    1. every rank computes every new token's latent (``kv_a_proj`` is replicated) and writes
+       only the tokens it owns;
+    2. the DCP group's queries are all-gathered by head, so each rank attends for all the
+       group's heads over its own shard (``w_kc``/``w_vc`` are held for the group's heads);
+    3. the partial outputs are merged with their LSEs back to the rank's own heads:
+       ``ag_rs`` (:func:`dcp_combine_ag_rs`) or ``a2a`` (:func:`dcp_combine_a2a`).
+
+    NOTE: the merge runs AFTER ``w_vc`` (in value space, ``v_head_dim`` per head) rather than
+    on the attended latent (``kv_lora_rank`` per head): merging is linear, so both are exact,
+    and value space sends 4x fewer bytes for DeepSeek (128 vs 512) at the cost of each rank
+    applying ``w_vc`` for the group's heads.
+    """
+
+    # The engine may shard this layer's cache by token over DCP ranks (ModelRunner checks it).
+    supports_dcp = True
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
@@ -80,8 +137,21 @@ class MLAttention(nn.Module):
         tp = cfg.parallel
         if heads % tp.tp_size:
             raise ValueError(f"num_attention_heads={heads} is not divisible by tp_size={tp.tp_size}")
+        if tp.tp_size % tp.dcp_size:
+            raise ValueError(f"dcp_size={tp.dcp_size} must divide the attention TP size tp_size={tp.tp_size}")
+        if tp.dcp_comm_backend not in _DCP_COMM_BACKENDS:
+            raise ValueError(
+                f"dcp_comm_backend={tp.dcp_comm_backend!r} is not supported; use one of {sorted(_DCP_COMM_BACKENDS)}"
+            )
         self.num_heads = heads // tp.tp_size
         self.tp_rank = tp.tp_rank
+        self.dcp_size, self.dcp_rank = tp.dcp_size, tp.dcp_rank
+        self.dcp_exchange = _DCP_COMM_BACKENDS[tp.dcp_comm_backend]
+        self.dcp_comm = tp.comm("dcp") if self.dcp_size > 1 else None
+        # Heads this rank attends for: its own, or under DCP its whole DCP group's (the group is
+        # consecutive attention-TP ranks, so its heads are contiguous).
+        self.attn_heads = self.num_heads * self.dcp_size
+        self.attn_head_start = (tp.tp_rank - tp.dcp_rank) * self.num_heads
         self.nope_dim, self.rope_dim = cfg.get("qk_nope_head_dim"), cfg.get("qk_rope_head_dim")
         self.v_dim, self.kv_lora_rank = cfg.get("v_head_dim"), cfg.get("kv_lora_rank")
         self.q_lora_rank = cfg.get("q_lora_rank")
@@ -96,8 +166,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = _replicated(hidden, self.kv_lora_rank + self.rope_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype)
         # kv_b_proj, split per head: keys' up-projection and values' up-projection (transposed).
-        w_kc = torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank, dtype=dtype)
-        w_vc = torch.empty(self.num_heads, self.kv_lora_rank, self.v_dim, dtype=dtype)
+        w_kc = torch.empty(self.attn_heads, self.nope_dim, self.kv_lora_rank, dtype=dtype)
+        w_vc = torch.empty(self.attn_heads, self.kv_lora_rank, self.v_dim, dtype=dtype)
         self.w_kc = nn.Parameter(w_kc, requires_grad=False)
         self.w_vc = nn.Parameter(w_vc, requires_grad=False)
         self.w_kc.weight_loader = self._load_kv_b  # type: ignore[attr-defined]
@@ -106,11 +176,13 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
         self._attend = registry.get("mla_attention", cfg.attention_backend)
+        self._merge_n = registry.get("merge_attention_states_n", KERNEL_BACKEND)
 
     def _load_kv_b(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        """Fill ``w_kc`` or ``w_vc`` from the whole ``kv_b_proj.weight[H*(Dn+Dv), R]``."""
+        """Fill ``w_kc`` or ``w_vc`` from the whole ``kv_b_proj.weight[H*(Dn+Dv), R]`` (the heads
+        this rank attends for)."""
         expected = (-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        per_head = loaded.view(expected).narrow(0, self.tp_rank * self.num_heads, self.num_heads)
+        per_head = loaded.view(expected).narrow(0, self.attn_head_start, self.attn_heads)
         if param is self.w_kc:
             param.data.copy_(per_head[:, : self.nope_dim])
         else:
@@ -129,8 +201,35 @@ class MLAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
         (latent_cache,) = kv_cache
-        out = self._attend(q_nope, q_pe, kv_c, k_pe, latent_cache, meta, self.w_kc, self.w_vc, self.scale)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        if self.dcp_size == 1:
+            out = self._attend(q_nope, q_pe, kv_c, k_pe, latent_cache, meta, self.w_kc, self.w_vc, self.scale)
+        else:
+            out = self._attend_dcp(q_nope, q_pe, kv_c, k_pe, latent_cache, meta)
+        # NOTE: explicit width: an idle DP-attention rank runs zero tokens, where -1 is ambiguous.
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
+
+    def _attend_dcp(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """DCP attention for this rank's own heads ``[T, num_heads, Dv]`` (see the class docstring)."""
+        if q_nope.shape[0] == 0:
+            # NOTE: the DCP group is one attention-TP batch, so every member skips together.
+            return q_nope.new_zeros(0, self.num_heads, self.v_dim)
+        q = self.dcp_comm.all_gather(torch.cat([q_nope, q_pe], dim=-1), dim=1)  # [T, group heads, Dn + Dr]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        local = dcp_local_view(meta, self.dcp_size, self.dcp_rank)
+        out, lse = self._attend(
+            q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_kc, self.w_vc, self.scale, return_lse=True, local=local
+        )
+        if self.dcp_exchange == "ag_rs":
+            return dcp_combine_ag_rs(out, lse, self.dcp_comm)
+        return dcp_combine_a2a(out, lse, self.dcp_comm, self._merge_n)
 
 
 class DeepseekMoE(nn.Module):
@@ -157,6 +256,7 @@ class DeepseekMoE(nn.Module):
             num_expert_group=cfg.get("n_group") if grouped else None,
             topk_group=cfg.get("topk_group") if grouped else None,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            num_redundant_experts=cfg.num_redundant_experts,
             parallel=cfg.parallel,
             dtype=cfg.dtype,
             backend=KERNEL_BACKEND,

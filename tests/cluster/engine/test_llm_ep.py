@@ -67,3 +67,18 @@ def test_dp_attention_with_ep4_runs_moe_in_lockstep(ray_cluster, tiny_moe, singl
         tp_size=4, dp_size=2, enable_dp_attention=True, ep_size=4, moe_a2a_backend=backend, ep_num_redundant_experts=0
     )
     assert _greedy(path, prompts, **flags) == single_rank
+
+
+def test_deepseek_v2_with_dp_attention_and_ep_matches_single_rank(ray_cluster, tmp_path):
+    """MLA attention replicated per DP rank (attention TP 1), routed experts split over EP=2
+    with the all-to-all exchange, shared experts per DP rank; a single prompt leaves one DP
+    rank idle (empty batches) on every step."""
+    from helpers.tiny_deepseek import save_tiny_deepseek_v2
+
+    save_tiny_deepseek_v2(tmp_path, first_k_dense_replace=1)
+    prompts = [[5, 9, 17, 33, 2, 71]]
+    single = _greedy(str(tmp_path), prompts)
+    flags = dict(
+        tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2, moe_a2a_backend="deepep", ep_num_redundant_experts=0
+    )
+    assert _greedy(str(tmp_path), prompts, **flags) == single
