@@ -8,12 +8,12 @@ see tests/helpers). Run on a 2-GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/
 """
 
 import pytest
-import torch
 
 from flotilla import LLM, SamplingParams
 from helpers.tiny_deepseek import save_tiny_deepseek_v2
 from helpers.tiny_models import save_tiny_llama
 from helpers.tiny_moe import save_tiny_qwen3_moe
+from helpers.prompts import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # torch_native: the torch reference kernels (the GPU kernel backends are a later issue).
@@ -39,8 +39,7 @@ def models(tmp_path_factory):
         save(path, first_k_dense_replace=1) if name == "deepseek_v2" else save(path)
         paths[name] = str(path)
     vocab = 128  # the smallest of the three vocabularies
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (1, 7, 30)]
+    prompts = random_prompts((1, 7, 30), vocab)
     return paths, prompts
 
 

@@ -11,7 +11,6 @@ empty), generated in one batch, must equal the single rank's token for token.
 """
 
 import pytest
-import torch
 
 pytest.importorskip("ray")
 
@@ -24,6 +23,7 @@ from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
 from helpers.tiny_deepseek import save_tiny_deepseek_v2  # noqa: E402
 from helpers.tiny_models import save_tiny_llama  # noqa: E402
+from helpers.prompts import random_prompts  # noqa: E402
 
 NEW_TOKENS = 32
 PROMPT_LENS = (1, 6, 19, 40)
@@ -36,8 +36,7 @@ def tiny_deepseek(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-deepseek-dcp")
     # NOTE: layer 0 dense, layer 1 MoE (4 routed experts split over MoE TP, a shared expert).
     save_tiny_deepseek_v2(path, q_lora_rank=24, first_k_dense_replace=1)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(PROMPT_LENS, 128)
     return str(path), prompts
 
 

@@ -6,13 +6,13 @@ dispatched to and combined from their experts' ranks, on CPU with torch.distribu
 all-to-all)."""
 
 import pytest
-import torch
 
 pytest.importorskip("ray")
 
 from flotilla import LLM, SamplingParams  # noqa: E402
 from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
 from helpers.tiny_moe import save_tiny_qwen3_moe  # noqa: E402
+from helpers.prompts import random_prompts  # noqa: E402
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 40)
@@ -23,8 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def tiny_moe(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen3-moe-ep")
     save_tiny_qwen3_moe(path)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(PROMPT_LENS, 256)
     return str(path), prompts
 
 

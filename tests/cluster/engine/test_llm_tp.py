@@ -4,13 +4,13 @@ token for token, and a seeded sampling request draws the same tokens (sampling s
 the driver, so the request's generator advances exactly as in process)."""
 
 import pytest
-import torch
 
 pytest.importorskip("ray")
 
 from flotilla import LLM, SamplingParams  # noqa: E402
 from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
 from helpers.tiny_models import save_tiny_llama
+from helpers.prompts import random_prompts
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 40)
@@ -22,8 +22,7 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=NEW_TO
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-tp")
     save_tiny_llama(path)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+    prompts = random_prompts(PROMPT_LENS, 256)
     return str(path), prompts
 
 

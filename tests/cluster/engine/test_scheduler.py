@@ -14,19 +14,9 @@ import pytest
 from flotilla.cluster.engine.block_manager import KVBlockPool
 from flotilla.cluster.engine.request import Request, RequestStatus
 from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from helpers.prompts import ORACLE_VOCAB, next_token, reference_outputs
 
-VOCAB = 50
-
-
-def next_token(sequence: list[int]) -> int:
-    return (sum((i + 1) * t for i, t in enumerate(sequence)) + 7 * len(sequence)) % VOCAB
-
-
-def reference_outputs(prompt: list[int], count: int) -> list[int]:
-    sequence = list(prompt)
-    for _ in range(count):
-        sequence.append(next_token(sequence))
-    return sequence[len(prompt) :]
+VOCAB = ORACLE_VOCAB
 
 
 class FakeRunner:
