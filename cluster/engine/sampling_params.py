@@ -123,6 +123,13 @@ class SamplingParams:
             "must be a non-negative integer or None",
         )
         _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer or None")
+        # NOTE: torch generators take a 64-bit seed; n > 1 children use seed + index.
+        _check(
+            self.seed is None or -(2**63) <= self.seed <= 2**63 - 1 - self.n,
+            "seed",
+            self.seed,
+            f"must fit in a signed 64-bit integer (with room for n={self.n} child seeds)",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must hold non-empty strings")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

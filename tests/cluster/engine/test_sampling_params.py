@@ -20,6 +20,7 @@ def test_defaults_follow_vllm():
         ({"max_tokens": 0}, "max_tokens=0"),
         ({"n": 0}, "n=0"),
         ({"top_k": 0}, "top_k=0"),
+        ({"seed": 2**63}, "seed=9223372036854775808"),
         ({"top_k": -2}, "top_k=-2"),
         ({"min_p": 1.1}, "min_p=1.1"),
         ({"min_p": -0.1}, "min_p=-0.1"),

@@ -1,0 +1,498 @@
+"""``AsyncEngine``: the asyncio face of one :class:`LLMEngine` inside one process.
+
+Threading design (the one invariant: only the engine thread ever touches the LLMEngine):
+
+- One dedicated engine thread runs the step loop. asyncio callers never call the engine;
+  :meth:`AsyncEngine.generate` appends an *add* command (and closing a stream early an
+  *abort* command) to a list guarded by a ``threading.Condition``. The thread takes the
+  whole list between steps, applies it in order, then steps. With no command and no
+  unfinished request it sleeps on the condition (a bounded wait), so an idle engine costs
+  nothing.
+- What a step produced goes back per request: the thread turns the engine's deltas into
+  :class:`GenerateChunk` s and hands them, one ``loop.call_soon_threadsafe`` per event loop
+  per step, to the requests' ``asyncio.Queue`` s (each request remembers the loop that
+  called ``generate``). Errors of ``add_request`` (a ``ValueError`` naming the parameter)
+  travel the same way, so they raise from the stream before its first chunk.
+- Load (running, waiting, KV usage) is published by the thread as a snapshot after every
+  change; the queue bound and :meth:`AsyncEngine.load` read the snapshot plus the adds not
+  yet applied, under the same lock, so the bound is exact.
+
+Text comes from the engine's own incremental detokenizer and stop-string matching (the
+engine holds the tokenizer); ``stream_interval > 1`` (``--stream-interval``) batches that
+many tokens per chunk, except the first chunk and finishes, which go out at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
+from flotilla.cluster.engine.outputs import CompletionDelta
+from flotilla.cluster.engine.request import RequestStatus
+from flotilla.serve.metrics import EngineMetrics
+from flotilla.serve.types import (
+    CompletionChunk,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    GenerateChunk,
+    GenerateRequest,
+    ReplicaLoad,
+)
+
+logger = logging.getLogger(__name__)
+
+# Longest sleep of an idle engine thread between checks for shutdown (commands wake it at once).
+IDLE_WAIT_S = 1.0
+# Prefix keys remembered for prefix-affinity routing.
+RECENT_PREFIX_KEYS = 256
+# How long shutdown() waits for the engine thread to finish its step.
+SHUTDOWN_WAIT_S = 60.0
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Where one request's chunks go: a queue owned by the event loop that called generate()."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass(eq=False)
+class _Add:
+    engine_id: str
+    request: GenerateRequest
+    stream: _Stream
+    submitted: float  # time.monotonic() when generate() queued it
+    arrival_wall: float  # time.time() of arrival (the ingress's, else generate()'s)
+
+
+@dataclass(eq=False)
+class _Abort:
+    engine_id: str
+
+
+@dataclass(eq=False)
+class _Live:
+    """Engine-thread state of one request the engine holds."""
+
+    add: _Add
+    child_ids: list[str]
+    queue_time_s: float | None = None
+    first_token_at: float | None = None
+    sent_first: bool = False
+    last_token_at: dict[int, float] = field(default_factory=dict)
+    pending: dict[int, CompletionChunk] = field(default_factory=dict)
+    pending_tokens: int = 0
+    num_tokens: int = 0
+    finished_indexes: set[int] = field(default_factory=set)
+
+
+class AsyncEngine:
+    """Runs an :class:`LLMEngine` on its own thread and streams its requests to asyncio
+    callers; implements :class:`~flotilla.serve.types.EngineClient`.
+
+    Args:
+        engine: the engine to drive; from now on only this object's thread touches it.
+        max_queued_requests: requests may wait (queued in the engine or not yet added) up to
+            this many; beyond, :meth:`generate` raises :class:`EngineOverloadedError`.
+        replica_id: the ``replica`` label of the metrics.
+        retry_after_s: the ``Retry-After`` hint of :class:`EngineOverloadedError`.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int = 256,
+        *,
+        replica_id: str = "0",
+        retry_after_s: int = 1,
+    ):
+        if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
+            raise ValueError(
+                f"max_queued_requests must be an integer >= 1, got max_queued_requests={max_queued_requests!r}"
+            )
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_queued_requests = max_queued_requests
+        self.retry_after_s = retry_after_s
+        self.stream_interval = max(1, int(getattr(engine.config, "stream_interval", 1) or 1))
+        self.metrics = EngineMetrics(replica_id)
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        # Guarded by _cond: the command list, adds not yet reflected in the snapshot, the
+        # snapshot (running, waiting, kv usage), and the life flags.
+        self._commands: list[_Add | _Abort] = []
+        self._queued_adds = 0
+        self._snapshot: tuple[int, int, float] = (0, 0, 0.0)
+        self._dead: str | None = None
+        self._stopping = False
+        self._prefix_keys: OrderedDict[int, None] = OrderedDict()
+        # Engine-thread state.
+        self._live: dict[str, _Live] = {}
+        self._unscheduled: set[str] = set()
+        self._orphans: list[_Add] = []
+        self._prefix_seen = (0, 0)
+        self._publish_load(0)
+        self._thread = threading.Thread(target=self._run, name=f"flotilla-engine-{replica_id}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        source: Any,
+        tokenizer: Any = None,
+        max_queued_requests: int = 256,
+        *,
+        replica_id: str = "0",
+    ) -> "AsyncEngine":
+        """Build the :class:`LLMEngine` (``config``: the ResolvedConfig, ``source``: the
+        ModelSource, ``tokenizer``: an HF tokenizer or None) and drive it."""
+        return cls(LLMEngine(config, source, tokenizer), max_queued_requests, replica_id=replica_id)
+
+    # -- the asyncio side ------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's chunks (see :class:`GenerateChunk`).
+
+        Raises, from the first iteration step and before any chunk: ``ValueError`` (bad
+        input, naming the parameter), :class:`EngineOverloadedError` (the queue is full;
+        nothing was queued), :class:`EngineUnavailableError` (the engine is dead or shut
+        down). Closing or cancelling the iteration early aborts the request; the engine
+        thread frees its KV blocks before its next step.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        engine_id = f"{request.request_id}~{next(self._ids)}"
+        now = time.monotonic()
+        arrival = request.arrival_time if request.arrival_time and request.arrival_time > 0 else time.time()
+        with self._cond:
+            self._raise_if_unavailable()
+            queued = self._snapshot[1] + self._queued_adds
+            if queued >= self.max_queued_requests:
+                raise EngineOverloadedError(
+                    f"the engine replica's queue is full ({queued} requests waiting, "
+                    f"max_queued_requests={self.max_queued_requests}); retry after {self.retry_after_s} s",
+                    self.retry_after_s,
+                )
+            self._queued_adds += 1
+            self._commands.append(_Add(engine_id, request, stream, now, arrival))
+            if request.prefix_key is not None:
+                self._prefix_keys[request.prefix_key] = None
+                self._prefix_keys.move_to_end(request.prefix_key)
+                if len(self._prefix_keys) > RECENT_PREFIX_KEYS:
+                    self._prefix_keys.popitem(last=False)
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # NOTE: the consumer left (aclose, cancellation, a dropped connection).
+                self._submit(_Abort(engine_id))
+
+    def load(self) -> ReplicaLoad:
+        """The replica's load for the router; ``waiting`` counts adds not yet applied."""
+        with self._cond:
+            running, waiting, usage = self._snapshot
+            return ReplicaLoad(
+                running=running,
+                waiting=waiting + self._queued_adds,
+                kv_usage=usage,
+                max_queued=self.max_queued_requests,
+                prefix_keys=tuple(self._prefix_keys),
+            )
+
+    async def is_healthy(self) -> bool:
+        """False once the engine died (a failed step) or shut down."""
+        return self.healthy
+
+    @property
+    def healthy(self) -> bool:
+        with self._cond:
+            ok = self._dead is None and not self._stopping
+        return ok and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine died, or None."""
+        with self._cond:
+            return self._dead
+
+    async def metrics_text(self) -> str:
+        """This replica's ``flotilla:`` metrics (Prometheus text format)."""
+        return self.metrics.exposition()
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
+        """Stop the engine thread (in-flight requests get a final ``"error"`` chunk, queued
+        ones :class:`EngineUnavailableError`) and release the runner's workers; idempotent."""
+        with self._cond:
+            already = self._stopping
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        if not already:
+            stop = getattr(self.engine.runner, "shutdown", None)
+            if stop is not None:
+                stop()
+
+    def _raise_if_unavailable(self) -> None:
+        if self._dead is not None:
+            raise EngineUnavailableError(f"the engine replica is dead: {self._dead}")
+        if self._stopping:
+            raise EngineUnavailableError("the engine replica is shutting down")
+
+    def _submit(self, command: _Abort) -> None:
+        with self._cond:
+            if self._dead is None and not self._stopping:
+                self._commands.append(command)
+                self._cond.notify()
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._next_commands()
+                if commands is None:
+                    break
+                self._apply(commands)
+                if commands or self.engine.has_unfinished_requests():
+                    self._step()
+                if self.engine.dead is not None:
+                    self._die(str(self.engine.dead))
+                    return
+        except Exception as exc:  # noqa: BLE001 - a bug must fail the requests, not hang them
+            logger.exception("the engine loop of replica %s failed", self.metrics.replica_id)
+            self._die(f"the engine loop failed: {type(exc).__name__}: {exc}")
+            return
+        self._die("the engine replica shut down", dead=False)
+
+    def _next_commands(self) -> list[_Add | _Abort] | None:
+        """The commands queued since the last call (waiting while idle); None on shutdown."""
+        with self._cond:
+            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                self._cond.wait(IDLE_WAIT_S)
+            if self._stopping:
+                return None
+            commands, self._commands = self._commands, []
+            return commands
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        adds = 0
+        for index, command in enumerate(commands):
+            try:
+                if isinstance(command, _Add):
+                    adds += 1
+                    self._add(command)
+                elif command.engine_id in self._live:
+                    self.engine.abort(command.engine_id)
+            except Exception:
+                # NOTE: the loop dies; the adds not applied yet must still get an answer.
+                self._orphans = [c for c in commands[index + 1 :] if isinstance(c, _Add)]
+                raise
+        self._publish_load(adds)
+
+    def _add(self, command: _Add) -> None:
+        request = command.request
+        try:
+            self.engine.add_request(request.prompt_token_ids, request.params, request_id=command.engine_id)
+        except ValueError as exc:
+            self._deliver([(command.engine_id, command.stream, exc)])
+            return
+        except EngineDeadError as exc:
+            self._deliver([(command.engine_id, command.stream, EngineUnavailableError(str(exc)))])
+            return
+        except Exception as exc:
+            # NOTE: not a bad input: the engine's state is suspect, so the loop dies (the
+            # replica turns unhealthy) after this request gets its error (a fresh exception:
+            # this one is still being raised on this thread).
+            error = RuntimeError(f"the engine failed to add the request: {type(exc).__name__}: {exc}")
+            self._deliver([(command.engine_id, command.stream, error)])
+            raise
+        n = request.params.n
+        children = [command.engine_id] if n == 1 else [f"{command.engine_id}#{i}" for i in range(n)]
+        self._live[command.engine_id] = _Live(command, children)
+        self._unscheduled.add(command.engine_id)
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        deltas = self.engine.step()
+        now, wall = time.monotonic(), time.time()
+        self._mark_scheduled(started)
+        grouped: dict[str, list[CompletionDelta]] = {}
+        for delta in deltas:
+            grouped.setdefault(delta.request_id, []).append(delta)
+        out = []
+        for engine_id, request_deltas in grouped.items():
+            live = self._live.get(engine_id)
+            if live is None:
+                continue
+            chunk = self._absorb(live, request_deltas, now, wall)
+            if chunk is not None:
+                out.append((engine_id, live.add.stream, chunk))
+        self._record_prefix_cache()
+        self._publish_load(0)
+        self._deliver(out)
+
+    def _mark_scheduled(self, step_started: float) -> None:
+        """Queue time of requests whose first step was this one (measured to its start)."""
+        scheduler = self.engine.scheduler
+        for engine_id in list(self._unscheduled):
+            live = self._live[engine_id]
+            started = any(
+                (r := scheduler.get(child)) is not None and r.status is not RequestStatus.WAITING
+                for child in live.child_ids
+            ) or any(c.token_ids for c in self.engine.get_output(engine_id).outputs)
+            if started:
+                live.queue_time_s = max(0.0, step_started - live.add.submitted)
+                self.metrics.request_queue_time.observe(live.queue_time_s)
+                self._unscheduled.discard(engine_id)
+
+    def _absorb(self, live: _Live, deltas: list[CompletionDelta], now: float, wall: float) -> GenerateChunk | None:
+        """Fold one step's deltas of a request into its pending chunk; the chunk to send, if due."""
+        metrics, tokens = self.metrics, 0
+        for delta in deltas:
+            chunk = live.pending.get(delta.index)
+            if chunk is None:
+                chunk = live.pending[delta.index] = CompletionChunk(delta.index, [], "")
+            chunk.token_ids += delta.token_ids
+            chunk.text += delta.text
+            if delta.logprobs is not None:
+                chunk.logprobs = (chunk.logprobs or []) + list(delta.logprobs)
+            if delta.finish_reason is not None:
+                chunk.finish_reason, chunk.stop_reason = delta.finish_reason, delta.stop_reason
+                live.finished_indexes.add(delta.index)
+                metrics.record_finished(delta.finish_reason)
+            if delta.token_ids:
+                tokens += len(delta.token_ids)
+                last = live.last_token_at.get(delta.index)
+                if last is not None:
+                    metrics.inter_token_latency.observe(now - last)
+                live.last_token_at[delta.index] = now
+        if tokens:
+            metrics.generation_tokens.inc(tokens)
+            live.pending_tokens += tokens
+            live.num_tokens += tokens
+            if live.first_token_at is None:
+                live.first_token_at = now
+                metrics.time_to_first_token.observe(max(0.0, wall - live.add.arrival_wall))
+                metrics.prompt_tokens.inc(len(live.add.request.prompt_token_ids))
+        engine_id = live.add.engine_id
+        output = self.engine.get_output(engine_id)
+        if output.finished:
+            self.engine.pop_output(engine_id)
+            del self._live[engine_id]
+            self._unscheduled.discard(engine_id)
+            if any(c.finish_reason in ("stop", "length") for c in output.outputs):
+                metrics.e2e_request_latency.observe(max(0.0, wall - live.add.arrival_wall))
+            chunk = self._take_chunk(live)
+            chunk.finished = True
+            chunk.prompt_tokens = len(output.prompt_token_ids)
+            chunk.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+            chunk.cached_tokens = output.num_cached_tokens
+            chunk.error = output.error
+            return chunk
+        due = live.pending_tokens >= self.stream_interval or any(c.finish_reason for c in live.pending.values())
+        if live.pending and (due or not live.sent_first):
+            return self._take_chunk(live)
+        return None
+
+    def _take_chunk(self, live: _Live) -> GenerateChunk:
+        chunk = GenerateChunk(live.add.request.request_id, [live.pending[i] for i in sorted(live.pending)])
+        live.pending, live.pending_tokens = {}, 0
+        if not live.sent_first:
+            chunk.queue_time_s = live.queue_time_s
+            live.sent_first = True
+        return chunk
+
+    def _record_prefix_cache(self) -> None:
+        pool = self.engine.scheduler.pool
+        seen = (pool.prefix_query_tokens, pool.prefix_hit_tokens)
+        queries, hits = seen[0] - self._prefix_seen[0], seen[1] - self._prefix_seen[1]
+        if queries > 0:
+            self.metrics.prefix_cache_queries.inc(queries)
+        if hits > 0:
+            self.metrics.prefix_cache_hits.inc(hits)
+        self._prefix_seen = seen
+
+    def _publish_load(self, adds_applied: int) -> None:
+        scheduler = self.engine.scheduler
+        snapshot = (scheduler.num_running, scheduler.num_waiting, float(scheduler.pool.usage))
+        with self._cond:
+            # NOTE: the applied adds leave the queued count only now that the snapshot counts
+            # them as waiting, so the queue bound never undercounts.
+            self._queued_adds -= adds_applied
+            self._snapshot = snapshot
+            queued = self._queued_adds
+        self.metrics.set_load(snapshot[0], snapshot[1] + queued, snapshot[2])
+
+    def _die(self, reason: str, dead: bool = True) -> None:
+        """Fail every request still held and every queued add; refuse new requests."""
+        with self._cond:
+            if dead:
+                self._dead = reason
+                logger.error("engine replica %s is dead: %s", self.metrics.replica_id, reason)
+            commands, self._commands = self._orphans + self._commands, []
+            self._orphans, self._queued_adds = [], 0
+        out: list[tuple[str, _Stream, Any]] = []
+        for command in commands:
+            if isinstance(command, _Add):
+                out.append((command.engine_id, command.stream, EngineUnavailableError(reason)))
+        for engine_id, live in list(self._live.items()):
+            try:
+                self.engine.abort(engine_id)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the stream still ends
+                pass
+            for child in range(len(live.child_ids)):
+                if child not in live.finished_indexes:
+                    chunk = live.pending.setdefault(child, CompletionChunk(child, [], ""))
+                    chunk.finish_reason = "error"
+                    self.metrics.record_finished("error")
+            chunk = self._take_chunk(live)
+            chunk.finished, chunk.error = True, reason
+            chunk.prompt_tokens = len(live.add.request.prompt_token_ids)
+            chunk.completion_tokens = live.num_tokens
+            out.append((engine_id, live.add.stream, chunk))
+        self._live.clear()
+        self._unscheduled.clear()
+        try:
+            self._publish_load(0)
+        except Exception:  # noqa: BLE001
+            pass
+        self._deliver(out)
+
+    def _deliver(self, items: list[tuple[str, _Stream, Any]]) -> None:
+        """Hand chunks (or exceptions) to their streams: one thread-safe call per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, Any]]] = {}
+        for engine_id, stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((engine_id, stream.queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                # NOTE: the caller's event loop is closed: nobody will read these streams.
+                for engine_id, _, _ in batch:
+                    if engine_id in self._live:
+                        self.engine.abort(engine_id)
+
+
+def _put_all(batch: list[tuple[str, asyncio.Queue, Any]]) -> None:
+    for _, queue, item in batch:
+        queue.put_nowait(item)

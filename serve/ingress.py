@@ -1,0 +1,383 @@
+"""The OpenAI HTTP ingress: ``create_app(engine, tokenizer, options, config)`` -> FastAPI app.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (503 when the engine is dead; no API key needed), ``GET /metrics``
+(the ingress's HTTP metrics merged with the engine side's exposition).
+
+Where the work happens:
+
+- The ingress parses and validates the request (:mod:`flotilla.serve.protocol`), applies
+  the chat template and tokenizes (:mod:`flotilla.serve.prompts`), sends token ids to the
+  engine as :class:`GenerateRequest` s, and turns the engine's chunks into OpenAI responses
+  or SSE frames (:mod:`flotilla.serve.responses`).
+- Incremental detokenization happens in the ENGINE, not here: the engine already holds the
+  tokenizer, and a stop string must end generation at the step that completes it (freeing
+  the slot at once), which only the engine loop can do. Chunks therefore arrive with their
+  text final (never a split multi-byte character, never the start of a stop string).
+- Errors use OpenAI's envelope: 400 bad input (naming the parameter and value), 401 bad
+  API key, 404 unknown model or route, 413 body over ``options.max_body_bytes`` (counted
+  while reading, whatever Content-Length says), 429 + ``Retry-After`` when the engine's
+  queue is full, 503 when the engine is dead or fails the request. A streaming request
+  that fails after its first chunk gets ``data: {"error": {...}}`` and ``data: [DONE]``.
+- Each request's id is the client's ``X-Request-Id`` (a uuid when absent), echoed in the
+  response header; one JSON log line per request goes to the ``flotilla.serve.access``
+  logger at INFO. A client that disconnects mid-stream closes the engine stream, which
+  aborts the request and frees its KV blocks.
+
+Under Ray Serve (``flotilla.serve.app``) the same app is wrapped late-bound: the deployment
+builds the engine client and tokenizer in ``__init__``, calls ``create_app(...,
+echo_request_id=False)`` (Serve's proxy already echoes ``X-Request-Id``) and returns the app
+from ``__serve_build_asgi_app__``; the class is decorated with ``serve.ingress()`` (no
+argument). A replica's logging is unconfigured: :func:`configure_access_log` routes the
+access log to stderr, which Serve collects.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from flotilla.serve.metrics import merge_expositions
+from flotilla.serve.prompts import load_chat_template, normalize_prompts, prefix_block_size, prefix_key, render_chat
+from flotilla.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    bad_request,
+    model_not_found,
+    parse_request,
+)
+from flotilla.serve.responses import (
+    EngineStreams,
+    GenerationJob,
+    chat_frames,
+    completion_frames,
+    engine_error,
+    respond,
+    unavailable,
+)
+from flotilla.serve.types import EngineClient, GenerateRequest, ServeOptions
+
+logger = logging.getLogger(__name__)
+access_log = logging.getLogger("flotilla.serve.access")
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_QUIET_ROUTES = ("/health", "/metrics")  # logged at DEBUG: probes and scrapes are frequent
+
+
+def create_app(
+    engine: EngineClient, tokenizer: Any, options: ServeOptions, config: Any, *, echo_request_id: bool = True
+) -> FastAPI:
+    """The OpenAI-compatible FastAPI app over ``engine``.
+
+    Args:
+        engine: where requests go (an in-process AsyncEngine, or Serve handles).
+        tokenizer: an HF tokenizer for chat templates and text prompts (None: token-id prompts only).
+        options: serving options (served model name, API key, body limit).
+        config: the ResolvedConfig (chat template, page size, context length, api key).
+        echo_request_id: add ``X-Request-Id`` to responses (off under Serve, whose proxy adds it).
+    """
+    ingress = _Ingress(engine, tokenizer, options, config)
+    app = FastAPI(title="flotilla", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Observer, ingress=ingress, echo_request_id=echo_request_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await ingress.handle(request, ingress.chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await ingress.handle(request, ingress.completions)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(ingress.model_list().model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await ingress.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await ingress.metrics()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return error_response(APIError(exc.status_code, message, code=code))
+
+    app.state.ingress = ingress
+    return app
+
+
+def configure_access_log(handler: logging.Handler | None = None) -> logging.Logger:
+    """Send the access log (one JSON line per request at INFO) to ``handler`` (default:
+    stderr, the message alone) unless it has a handler already; for processes whose
+    logging nobody configured, such as a Serve replica."""
+    if not access_log.handlers:
+        handler = handler or logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access_log.addHandler(handler)
+        access_log.propagate = False
+    access_log.setLevel(logging.INFO)
+    return access_log
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON; 413 beyond ``limit`` bytes, counted as they arrive."""
+    too_large = APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit} bytes; send a smaller request",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    size, parts = 0, []
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_large
+            parts.append(part)
+    except ClientDisconnect:
+        raise bad_request("the client disconnected while sending the body") from None
+    if not size:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return json.loads(b"".join(parts))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+class _Ingress:
+    """The app's state and request handlers (what :func:`create_app` closes over)."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, options: ServeOptions, config: Any):
+        self.engine, self.tokenizer, self.options, self.config = engine, tokenizer, options, config
+        self.served_model = options.served_model_name
+        self.api_key = options.api_key or getattr(config, "api_key", None)
+        self.chat_template = load_chat_template(getattr(config, "chat_template", None))
+        self.template_kwargs = dict(getattr(config, "default_chat_template_kwargs", None) or {})
+        self.block_size = prefix_block_size(config)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.http_requests = Counter(
+            "flotilla:http_requests",
+            "HTTP requests by route and status.",
+            ["method", "path", "status"],
+            registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            "flotilla:http_request_duration_seconds",
+            "Seconds from a request's arrival to its last byte.",
+            ["method", "path"],
+            registry=self.registry,
+        )
+
+    # -- small routes ------------------------------------------------------------------------
+
+    def model_list(self) -> ModelList:
+        root = self.options.model or getattr(self.config, "model_path", None)
+        max_len = getattr(self.config, "context_length", None)
+        card = ModelCard(id=self.served_model, root=str(root) if root else None, max_model_len=max_len)
+        return ModelList(data=[card])
+
+    async def health(self) -> Response:
+        try:
+            healthy = await self.engine.is_healthy()
+        except Exception as exc:  # noqa: BLE001 - an unreachable engine is an unhealthy one
+            logger.warning("health check failed: %s", exc)
+            healthy = False
+        return Response(status_code=200) if healthy else error_response(unavailable("the engine is not healthy"))
+
+    async def metrics(self) -> Response:
+        own = generate_latest(self.registry).decode()
+        try:
+            text = merge_expositions([own, await self.engine.metrics_text()])
+        except Exception as exc:  # noqa: BLE001 - the ingress's own metrics are still worth serving
+            logger.warning("engine metrics unavailable: %s", exc)
+            text = own
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def handle(self, request: Request, handler) -> Response:
+        try:
+            return await handler(request)
+        except APIError as err:
+            return error_response(err)
+        except Exception:
+            logger.exception("request %s failed", request.state.request_id)
+            return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"))
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model:
+            raise model_not_found(name, self.served_model)
+
+    async def chat(self, request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await read_json(request, self.options.max_body_bytes))
+        self._check_model(req.model)
+        params = req.to_sampling_params()
+        prompt = render_chat(
+            self.tokenizer,
+            req.messages,
+            chat_template=self.chat_template,
+            add_generation_prompt=req.add_generation_prompt is not False,
+            template_kwargs={**self.template_kwargs, **(req.chat_template_kwargs or {})},
+        )
+        job = self._job(request, "chat", f"chatcmpl-{request.state.request_id}", params, [prompt], req.include_usage)
+        return await self._run(request, job, params, bool(req.stream), "messages")
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_request(CompletionRequest, await read_json(request, self.options.max_body_bytes))
+        self._check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = normalize_prompts(req.prompt, self.tokenizer)
+        job = self._job(request, "completion", f"cmpl-{request.state.request_id}", params, prompts, req.include_usage)
+        return await self._run(request, job, params, bool(req.stream), "prompt")
+
+    def _job(self, request: Request, kind: str, response_id: str, params, prompts, include_usage: bool):
+        n, logprobs, model = params.n, params.logprobs, self.served_model
+        job = GenerationJob(kind, response_id, model, n, prompts, logprobs, include_usage, self._decode)
+        request.state.job = job  # NOTE: the access log reads its usage when the response is done
+        return job
+
+    async def _run(self, request: Request, job: GenerationJob, params, stream: bool, prompt_param: str) -> Response:
+        rid, arrival = request.state.request_id, request.state.arrival_time
+        many = len(job.prompts) > 1
+        requests = [
+            GenerateRequest(f"{rid}-{i}" if many else rid, p.token_ids, params, arrival, self._prefix_key(p))
+            for i, p in enumerate(job.prompts)
+        ]
+        iterators = []
+        try:
+            for r in requests:
+                iterators.append(self.engine.generate(r))
+        except Exception as exc:
+            await EngineStreams(iterators, prompt_param).close()
+            raise engine_error(exc, prompt_param) from None
+        streams = EngineStreams(iterators, prompt_param)
+        await streams.start()
+        if stream:
+            frames = chat_frames(job, streams) if job.kind == "chat" else completion_frames(job, streams)
+            return _SSEResponse(frames, headers={"Cache-Control": "no-cache"})
+        try:
+            response = await respond(job, streams)
+        finally:
+            await streams.close()
+        # NOTE: pydantic's JSON writes a non-finite logprob as null; json.dumps would refuse it.
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def _prefix_key(self, prompt) -> int | None:
+        return prefix_key(prompt.token_ids, self.block_size)
+
+    def _decode(self, step, token_id: int) -> str:
+        entry = step.get(token_id)
+        if entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        if self.tokenizer is not None:
+            return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}"
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that always watch for the client going away.
+
+    NOTE: Starlette stops listening for ``http.disconnect`` under ASGI spec 2.4 and relies
+    on ``send`` failing, which some servers never do; a stream must notice at once, since
+    cancelling it closes the engine stream and frees the request's KV blocks.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def run_stream() -> None:
+                await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(run_stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+class _Observer:
+    """ASGI middleware: request ids, the API key, HTTP metrics and the access log."""
+
+    def __init__(self, app, ingress: _Ingress, echo_request_id: bool = True):
+        self.app, self.ingress, self.echo_request_id = app, ingress, echo_request_id
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, arrival_time=time.time())
+        status = 500  # NOTE: what an exception before the response start amounts to
+
+        async def send_observed(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if self.echo_request_id:
+                    message.setdefault("headers", [])
+                    MutableHeaders(scope=message).append("x-request-id", request_id)
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            if path != "/health" and not self._authorized(headers):
+                message = "missing or incorrect API key; send it as 'Authorization: Bearer <key>'"
+                await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send_observed)
+            else:
+                await self.app(scope, receive, send_observed)
+        finally:
+            self._observe(scope, path, status, time.perf_counter() - start, state)
+
+    def _authorized(self, headers: Headers) -> bool:
+        key = self.ingress.api_key
+        if not key:
+            return True
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+    def _observe(self, scope, path: str, status: int, latency: float, state: dict) -> None:
+        route = path if path in _ROUTES else "other"
+        method = scope.get("method", "")
+        self.ingress.http_requests.labels(method, route, str(status)).inc()
+        self.ingress.http_latency.labels(method, route).observe(latency)
+        record = {
+            "request_id": state.get("request_id"),
+            "method": method,
+            "path": path,
+            "status": status,
+            "latency_s": round(latency, 4),
+        }
+        job = state.get("job")
+        if job is not None and job.usage:
+            record.update(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), job.totals()))
+        level = logging.DEBUG if path in _QUIET_ROUTES and status < 400 else logging.INFO
+        access_log.log(level, json.dumps(record))

@@ -1,0 +1,266 @@
+"""Prometheus metrics of the engine replicas, and how the ingress gathers them.
+
+Each engine replica records into its own :class:`EngineMetrics`, which owns a private
+``CollectorRegistry`` (never prometheus_client's global one, so several engines in one
+process, as in tests, never collide). Names mirror vLLM's under the ``flotilla:`` prefix,
+and every series carries a ``replica`` label:
+
+- histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+  ``e2e_request_latency_seconds``, ``request_queue_time_seconds``;
+- gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
+  (a fraction in [0, 1], as vLLM reports it despite the name);
+- counters ``prompt_tokens_total``, ``generation_tokens_total``,
+  ``request_success_total{finished_reason}``, ``prefix_cache_queries_total`` and
+  ``prefix_cache_hits_total`` (both in prompt tokens).
+
+Replicas are separate actors, so the ingress cannot read their registries. Each replica
+pushes its exposition text to :class:`MetricsHub`, one small named Ray actor per
+namespace, about once a second; ``GET /metrics`` calls :func:`collect_metrics_text`, which
+returns the live replicas' texts merged by :func:`merge_expositions` into one exposition.
+A replica that stops pushing drops out after :data:`HUB_TTL_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "flotilla:"
+# Seconds a replica's pushed exposition stays in the hub without a newer push.
+HUB_TTL_S = 10.0
+# Seconds between a replica's pushes to the hub.
+PUSH_INTERVAL_S = 1.0
+METRICS_HUB_NAME = "flotilla-metrics-hub"
+
+# Bucket bounds (seconds), spanning CPU test models to large models on accelerators.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class EngineMetrics:
+    """One engine replica's metrics, in a registry of its own.
+
+    Thread-safe (prometheus_client's metrics are): the engine thread records, any thread
+    reads :meth:`exposition`.
+
+    Args:
+        replica_id: the value of the ``replica`` label on every series.
+    """
+
+    def __init__(self, replica_id: str):
+        self.replica_id = str(replica_id)
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, rid = self.registry, self.replica_id
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(PREFIX + name, doc, ["replica"], buckets=buckets, registry=reg).labels(replica=rid)
+
+        def gauge(name: str, doc: str):
+            return Gauge(PREFIX + name, doc, ["replica"], registry=reg).labels(replica=rid)
+
+        def counter(name: str, doc: str):
+            return Counter(PREFIX + name, doc, ["replica"], registry=reg).labels(replica=rid)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+            _TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Seconds between consecutive tokens of one completion.", _ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Seconds from a request's arrival to its last token.", _E2E_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Seconds a request waited in the replica before its first step.",
+            _QUEUE_BUCKETS,
+        )
+        self.num_requests_running = gauge("num_requests_running", "Requests being generated.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued in the replica, not yet scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished completions, by finish reason (stop, length, abort, error).",
+            ["replica", "finished_reason"],
+            registry=reg,
+        )
+
+    def record_finished(self, finished_reason: str) -> None:
+        """Count one finished completion."""
+        self._request_success.labels(replica=self.replica_id, finished_reason=finished_reason).inc()
+
+    def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        """Set the load gauges."""
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.kv_cache_usage.set(kv_usage)
+
+    def exposition(self) -> str:
+        """This replica's metrics in the Prometheus text format."""
+        return generate_latest(self.registry).decode()
+
+
+class _Families:
+    """A collector that yields already-built metric families (for :func:`merge_expositions`)."""
+
+    def __init__(self, families: Iterable[Any]):
+        self._families = list(families)
+
+    def collect(self):
+        return self._families
+
+
+def merge_expositions(texts: Iterable[str]) -> str:
+    """Merge several replicas' exposition texts into one valid exposition.
+
+    Each metric family appears once (HELP and TYPE of the first text that has it) with
+    the samples of every text. Samples are told apart by their labels (the ``replica``
+    label); if two texts carry the very same sample (name and labels), the later one wins.
+    A family whose type disagrees with the first one seen is dropped (and logged), since one
+    exposition cannot give a name two types. Raises ValueError for a text that does not
+    parse.
+    """
+    families: dict[str, Any] = {}
+    samples: dict[str, dict[tuple, Any]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            first = families.get(family.name)
+            if first is None:
+                families[family.name] = first = family
+                samples[family.name] = {}
+            elif first.type != family.type:
+                logger.warning(
+                    "metrics family %s has type %s in one replica and %s in another; dropping the latter",
+                    family.name,
+                    first.type,
+                    family.type,
+                )
+                continue
+            for sample in family.samples:
+                samples[family.name][(sample.name, tuple(sorted(sample.labels.items())))] = sample
+    for name, family in families.items():
+        family.samples = list(samples[name].values())
+    registry = CollectorRegistry(auto_describe=False)
+    # NOTE: a family without samples (a TYPE line whose samples carry another name) is left
+    # out: re-exposed, it would repeat the TYPE line of the family that holds them.
+    registry.register(_Families(f for f in families.values() if f.samples))
+    return generate_latest(registry).decode()
+
+
+class MetricsHub:
+    """Latest exposition text of each engine replica (the body of the named Ray actor).
+
+    Args:
+        ttl_s: a replica's text is dropped this long after its last push.
+    """
+
+    def __init__(self, ttl_s: float = HUB_TTL_S):
+        self.ttl_s = ttl_s
+        self._texts: dict[str, tuple[float, str]] = {}
+
+    def push(self, replica_id: str, text: str) -> None:
+        """Store ``replica_id``'s current exposition."""
+        self._texts[str(replica_id)] = (time.monotonic(), text)
+
+    def remove(self, replica_id: str) -> None:
+        """Forget a replica at once (it shut down)."""
+        self._texts.pop(str(replica_id), None)
+
+    def replicas(self) -> list[str]:
+        """Replicas whose text has not expired."""
+        self._expire()
+        return sorted(self._texts)
+
+    def collect(self) -> str:
+        """The live replicas' expositions merged into one."""
+        self._expire()
+        texts = []
+        for replica_id, (_, text) in sorted(self._texts.items()):
+            try:
+                list(text_string_to_metric_families(text))  # NOTE: the parser is lazy; list() runs it
+            except ValueError as exc:
+                logger.warning("dropping unparsable metrics text of replica %s: %s", replica_id, exc)
+                continue
+            texts.append(text)
+        return merge_expositions(texts)
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self.ttl_s
+        for replica_id in [r for r, (at, _) in self._texts.items() if at < cutoff]:
+            del self._texts[replica_id]
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_actor_class():
+    import ray
+
+    return ray.remote(num_cpus=0)(MetricsHub)
+
+
+def get_metrics_hub(namespace: str | None = None):
+    """The :class:`MetricsHub` actor of the current Ray namespace (or ``namespace``),
+    created on first use.
+
+    Needs a connected Ray (a Serve replica is; Serve's replicas all run in Serve's
+    namespace, ``"serve"``, so they share one hub). The actor is detached, so it outlives
+    the replica that happened to create it (a restarted replica must not take the others'
+    metrics down with it); :func:`shutdown_metrics_hub` removes it.
+    """
+    options = dict(name=METRICS_HUB_NAME, get_if_exists=True, lifetime="detached")
+    if namespace is not None:
+        options["namespace"] = namespace
+    return _hub_actor_class().options(**options).remote()
+
+
+def shutdown_metrics_hub(namespace: str | None = None) -> bool:
+    """Kill the hub of the current namespace (or ``namespace``; a driver outside Serve
+    passes ``"serve"``), if there is one; returns whether one was found."""
+    import ray
+
+    try:
+        hub = ray.get_actor(METRICS_HUB_NAME, namespace=namespace)
+    except ValueError:
+        return False
+    ray.kill(hub)
+    return True
+
+
+async def collect_metrics_text(timeout_s: float = 5.0) -> str:
+    """Every live engine replica's metrics as one exposition (what ``GET /metrics`` serves).
+
+    Call it where Ray is connected, in the replicas' namespace (e.g. in the Serve ingress).
+    Raises ``TimeoutError`` when the hub does not answer within ``timeout_s``.
+    """
+    hub = get_metrics_hub()
+    return await asyncio.wait_for(asyncio.wrap_future(hub.collect.remote().future()), timeout_s)
+
+
+async def push_metrics_forever(replica_id: str, exposition, interval_s: float = PUSH_INTERVAL_S) -> None:
+    """Push ``exposition()`` (a callable returning text) to the hub every ``interval_s``
+    seconds until cancelled; fire-and-forget (a lost push is replaced by the next one)."""
+    hub = None
+    while True:
+        try:
+            if hub is None:
+                hub = get_metrics_hub()
+            hub.push.remote(replica_id, exposition())
+        except Exception as exc:  # noqa: BLE001 - metrics must never take the replica down
+            logger.debug("metrics push of replica %s failed: %s", replica_id, exc)
+            hub = None
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,125 @@
+"""Prompts as the ingress builds them: chat templates, prompt normalisation, prefix keys.
+
+The ingress tokenizes (the engine replicas receive token ids); the engine detokenizes
+(see :mod:`flotilla.serve.ingress`). Everything here raises :class:`APIError` (400) naming
+the parameter, so a bad prompt never reaches an engine replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from flotilla.serve.protocol import APIError, ChatMessage, bad_request, quote
+
+# Tokens per prefix-routing block when the config does not set a page size above 1
+# (the engine's default KV block size, cluster.engine.model_runner.DEFAULT_BLOCK_SIZE).
+DEFAULT_PREFIX_BLOCK = 16
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One tokenized prompt: ``text`` when it was given (or rendered) as text."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a Jinja file, or the template text itself (None: the tokenizer's).
+    ValueError naming the flag for anything else (named built-in templates are not shipped)."""
+    if not value:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"chat_template {value!r} is neither a file nor Jinja template text; give a path to a "
+        f".jinja file or the template itself"
+    )
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> Prompt:
+    """Apply the chat template (``add_generation_prompt=True`` by default) and tokenize."""
+    if tokenizer is None:
+        message = "messages: this server has no tokenizer (skip_tokenizer_init); use /v1/completions with token ids"
+        raise bad_request(message, "messages")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise bad_request("messages: the model has no chat template; start the server with --chat-template", "messages")
+    conversation = [m.template_dict() for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
+        )
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template's raise_exception() or a Jinja error is the client's input
+        raise bad_request(f"messages: the chat template rejected the conversation: {exc}", "messages") from None
+    # NOTE: the rendered template already holds the special tokens; add none.
+    return Prompt(list(tokenizer.encode(text, add_special_tokens=False)), text)
+
+
+def normalize_prompts(prompt: Any, tokenizer: Any) -> list[Prompt]:
+    """``/v1/completions``' ``prompt`` as a list of prompts: a string, a list of strings
+    (several prompts), a list of token ids (one), or a list of token-id lists (several)."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt or [])
+    if not items:
+        raise bad_request("prompt is empty; give a string, token ids, or a non-empty list of them", "prompt")
+    out = []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise bad_request(f"{where} is an empty string; give some text", "prompt")
+            if tokenizer is None:
+                message = f"{where}: this server has no tokenizer (skip_tokenizer_init); send token ids"
+                raise bad_request(message, "prompt")
+            out.append(Prompt(list(tokenizer.encode(item)), item))
+        else:
+            ids = list(item)
+            if not ids:
+                raise bad_request(f"{where} is an empty token list; give at least one token id", "prompt")
+            if any(t < 0 for t in ids):
+                raise bad_request(f"{where} holds a negative token id (got {quote(min(ids))})", "prompt")
+            out.append(Prompt(ids))
+    return out
+
+
+def prefix_block_size(config: Any) -> int:
+    """Tokens per prefix-routing block: the KV page size when it is above 1, else 16."""
+    page = getattr(config, "page_size", None) or 1
+    return int(page) if page > 1 else DEFAULT_PREFIX_BLOCK
+
+
+def prefix_key(token_ids: Sequence[int], block_size: int = DEFAULT_PREFIX_BLOCK) -> int | None:
+    """A stable hash of the prompt's first ``block_size`` tokens (None when shorter):
+    requests with the same key share at least that prefix's KV block.
+
+    NOTE: stable across processes (blake2b, not ``hash``), so every ingress replica gives
+    the same key for the same prefix.
+    """
+    if len(token_ids) < block_size:
+        return None
+    data = b"".join((int(t) & _MASK64).to_bytes(8, "little") for t in token_ids[:block_size])
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1

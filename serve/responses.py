@@ -1,0 +1,438 @@
+"""Engine streams in, OpenAI responses out: the generation half of the ingress.
+
+:class:`EngineStreams` reads the engine streams of one HTTP request (one per prompt) as
+one; :func:`respond` gathers them into a ``chat.completion`` / ``text_completion``, and
+:func:`chat_frames` / :func:`completion_frames` turn them into SSE frames. Choice ``j`` of
+prompt ``i`` is choice ``i * n + j``, as at OpenAI. :func:`engine_error` says what the client
+gets when the engine refuses or fails a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from pydantic import BaseModel
+
+from flotilla.cluster.engine.outputs import StepLogprobs
+from flotilla.serve.prompts import Prompt
+from flotilla.serve.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    bad_request,
+    param_of,
+)
+from flotilla.serve.types import CompletionChunk, EngineOverloadedError, EngineUnavailableError, GenerateChunk
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+# decode(step logprobs, token id) -> the token's text
+Decode = Callable[[StepLogprobs, int], str]
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event frame: ``data: {json}\\n\\n``."""
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="service_unavailable")
+
+
+def engine_error(exc: BaseException, prompt_param: str) -> APIError:
+    """What the client gets when the engine refused or failed a request: 400 for bad input
+    (``prompt_token_ids`` errors are reported against ``prompt_param``), 429 with
+    ``Retry-After`` for a full queue, 503 for a dead engine or any other failure."""
+    cause = getattr(exc, "cause", None)  # NOTE: Ray's RayTaskError wraps the replica's exception
+    if isinstance(cause, BaseException):
+        exc = cause
+    if isinstance(exc, APIError):
+        return exc
+    if _overloaded(exc):
+        retry = str(int(getattr(exc, "retry_after_s", 1) or 1))
+        message = f"the server is overloaded, retry later: {exc}"
+        return APIError(429, message, None, "rate_limit_error", "rate_limit_exceeded", {"Retry-After": retry})
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        param = param_of(message)
+        return bad_request(message, prompt_param if param in ("prompt_token_ids", None) else param)
+    if isinstance(exc, EngineUnavailableError):
+        return unavailable(f"the engine is unavailable: {exc}")
+    return unavailable(f"the engine failed the request: {type(exc).__name__}: {exc}")
+
+
+def _overloaded(exc: BaseException) -> bool:
+    """The engine's queue is full, or Serve's (``max_queued_requests`` on a handle:
+    ``BackPressureError``; only possible once Serve is imported, so it is not imported here)."""
+    if isinstance(exc, EngineOverloadedError):
+        return True
+    serve_errors = sys.modules.get("ray.serve.exceptions")
+    return serve_errors is not None and isinstance(exc, serve_errors.BackPressureError)
+
+
+def check_chunk(chunk: GenerateChunk) -> None:
+    """A chunk that reports an engine failure becomes a 503 (or an error frame when streaming)."""
+    failed = [c for c in chunk.completions if c.finish_reason in ("error", "abort")]
+    if chunk.error is not None or failed:
+        reason = chunk.error or f"completion {failed[0].index} finished with {failed[0].finish_reason!r}"
+        raise unavailable(f"the engine failed the request: {reason}")
+
+
+# -- the engine streams of one request --------------------------------------------------------
+
+
+class EngineStreams:
+    """The engine streams of one HTTP request (one per prompt), read as one.
+
+    :meth:`start` waits for every stream's first chunk, so that refusals (bad input, a full
+    queue, a dead engine) become HTTP statuses before any response is sent. :meth:`close`
+    closes every stream (the engine aborts what is unfinished) and completes even when the
+    caller is cancelled mid-way.
+    """
+
+    _END = object()
+
+    def __init__(self, iterators: list[AsyncIterator[GenerateChunk]], prompt_param: str):
+        self._its = iterators
+        self.prompt_param = prompt_param
+        self._ready: list[tuple[int, GenerateChunk]] = []
+        self._done = [False] * len(iterators)
+        self._queue: asyncio.Queue | None = None
+        self._live = 0
+        self._pumps: list[asyncio.Task] = []
+        self._closing: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        """Wait for the first chunks; raises the APIError the client gets on refusal."""
+        try:
+            if len(self._its) == 1:
+                firsts = [await self._first(0)]
+            else:
+                firsts = await asyncio.gather(*(self._first(i) for i in range(len(self._its))))
+        except BaseException as exc:
+            await self.close()
+            if isinstance(exc, Exception):
+                raise engine_error(exc, self.prompt_param) from None
+            raise
+        self._ready = [(i, chunk) for i, chunk in enumerate(firsts) if chunk is not None]
+        if len(self._its) > 1:
+            self._queue = asyncio.Queue()
+            live = [i for i in range(len(self._its)) if not self._done[i]]
+            self._pumps = [asyncio.ensure_future(self._pump(i)) for i in live]
+            self._live = len(live)
+
+    async def _first(self, i: int) -> GenerateChunk | None:
+        try:
+            return await self._its[i].__anext__()
+        except StopAsyncIteration:
+            self._done[i] = True
+            return None
+
+    async def _pump(self, i: int) -> None:
+        try:
+            async for chunk in self._its[i]:
+                self._queue.put_nowait((i, chunk))
+            self._queue.put_nowait(self._END)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            self._queue.put_nowait(exc)
+
+    async def next(self) -> tuple[int, GenerateChunk] | None:
+        """The next chunk of any stream as ``(prompt index, chunk)``; None when all ended.
+        An engine failure raises as the APIError the client gets."""
+        if self._ready:
+            return self._ready.pop(0)
+        try:
+            return await self._next()
+        except APIError:
+            raise
+        except Exception as exc:
+            raise engine_error(exc, self.prompt_param) from None
+
+    async def _next(self) -> tuple[int, GenerateChunk] | None:
+        if self._queue is None:
+            if self._done[0]:
+                return None
+            try:
+                return 0, await self._its[0].__anext__()
+            except StopAsyncIteration:
+                self._done[0] = True
+                return None
+        while self._live:
+            item = await self._queue.get()
+            if item is self._END:
+                self._live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return item
+        return None
+
+    async def close(self) -> None:
+        """Close every stream (idempotent)."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close_all())
+        # NOTE: shielded: a cancelled caller (client gone) must still abort the requests.
+        await asyncio.shield(self._closing)
+
+    async def _close_all(self) -> None:
+        for task in self._pumps:
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        for it in self._its:
+            closer = getattr(it, "aclose", None) or getattr(it, "cancel", None)
+            if closer is None:
+                continue
+            try:
+                result = closer()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception as exc:  # noqa: BLE001 - closing is best effort; the engine also times out
+                logger.warning("closing an engine stream failed: %s", exc)
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationJob:
+    """One HTTP generation request: its prompts (each with ``n`` choices) and how to answer.
+
+    Attributes:
+        kind: ``"chat"`` or ``"completion"``.
+        response_id: ``chatcmpl-<request id>`` / ``cmpl-<request id>``.
+        top_logprobs: candidates per token in the answer (None: no logprobs).
+        include_usage: streaming ends with a usage chunk.
+        decode: a token's text, for logprobs.
+        usage: per prompt index, (prompt, completion, cached) tokens from its last chunk.
+    """
+
+    kind: str
+    response_id: str
+    model: str
+    n: int
+    prompts: list[Prompt]
+    top_logprobs: int | None
+    include_usage: bool
+    decode: Decode
+    created: int = field(default_factory=lambda: int(time.time()))
+    usage: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    def record_usage(self, i: int, chunk: GenerateChunk) -> None:
+        if chunk.finished:
+            prompt_tokens = chunk.prompt_tokens or len(self.prompts[i].token_ids)
+            self.usage[i] = (prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+
+    def totals(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens over the prompts that finished."""
+        prompt, completion, cached = (sum(u[k] for u in self.usage.values()) for k in range(3))
+        return prompt, completion, cached
+
+    def total_usage(self) -> Usage:
+        return Usage.of(*self.totals())
+
+    def chat_logprobs(self, token_ids: list[int], steps: list[StepLogprobs] | None) -> ChatLogprobs | None:
+        if self.top_logprobs is None or not steps:
+            return None
+        return ChatLogprobs(content=chat_logprobs(token_ids, steps, self.top_logprobs, self.decode))
+
+
+@dataclass
+class _Choice:
+    """One choice of a non-streaming response, gathered from its chunks."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    steps: list[StepLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, c: CompletionChunk) -> None:
+        self.parts.append(c.text)
+        self.token_ids.extend(c.token_ids)
+        self.steps.extend(c.logprobs or [])
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+async def respond(job: GenerationJob, streams: EngineStreams) -> ChatCompletionResponse | CompletionResponse:
+    """Read the streams to the end and build the non-streaming response."""
+    choices = {i * job.n + j: _Choice() for i in range(len(job.prompts)) for j in range(job.n)}
+    while (item := await streams.next()) is not None:
+        i, chunk = item
+        check_chunk(chunk)
+        for c in chunk.completions:
+            choices[i * job.n + c.index].add(c)
+        job.record_usage(i, chunk)
+    head = dict(id=job.response_id, created=job.created, model=job.model, usage=job.total_usage())
+    ordered = [(index, choices[index]) for index in sorted(choices)]
+    if job.kind == "chat":
+        return ChatCompletionResponse(
+            **head,
+            choices=[
+                ChatChoice(
+                    index=index,
+                    message=AssistantMessage(content=c.text),
+                    logprobs=job.chat_logprobs(c.token_ids, c.steps) if job.top_logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for index, c in ordered
+            ],
+        )
+    return CompletionResponse(
+        **head,
+        choices=[
+            CompletionChoice(
+                index=index,
+                text=c.text,
+                logprobs=None
+                if job.top_logprobs is None
+                else completion_logprobs(c.token_ids, c.steps, job.top_logprobs, job.decode, 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for index, c in ordered
+        ],
+    )
+
+
+async def chat_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterator[str]:
+    """SSE frames of a chat stream: a role delta per choice, content deltas, the usage chunk
+    (``include_usage``), ``[DONE]``; an error frame before ``[DONE]`` when the engine fails."""
+
+    def frame(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+        head = dict(id=job.response_id, created=job.created, model=job.model)
+        return sse(ChatCompletionChunk(**head, choices=choices, usage=usage))
+
+    try:
+        for j in range(job.n):
+            yield frame([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+        while (item := await streams.next()) is not None:
+            i, chunk = item
+            check_chunk(chunk)
+            for c in chunk.completions:
+                lp = job.chat_logprobs(c.token_ids, c.logprobs)
+                if c.text or lp is not None or c.finish_reason is not None:
+                    choice = ChatStreamChoice(
+                        index=i * job.n + c.index,
+                        delta=DeltaMessage(content=c.text or None),
+                        logprobs=lp,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    yield frame([choice])
+            job.record_usage(i, chunk)
+        if job.include_usage:
+            yield frame([], job.total_usage())
+    except Exception as exc:  # noqa: BLE001 - after the 200 went out, errors travel as a frame
+        yield sse(_stream_error(exc, streams.prompt_param))
+    finally:
+        await streams.close()
+    yield SSE_DONE
+
+
+async def completion_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterator[str]:
+    """SSE frames of a completions stream: text deltas, the usage chunk, ``[DONE]``."""
+    offsets: dict[int, int] = {}
+
+    def frame(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        head = dict(id=job.response_id, created=job.created, model=job.model)
+        return sse(CompletionResponse(**head, choices=choices, usage=usage))
+
+    try:
+        while (item := await streams.next()) is not None:
+            i, chunk = item
+            check_chunk(chunk)
+            for c in chunk.completions:
+                index = i * job.n + c.index
+                lp = None
+                if job.top_logprobs is not None and c.logprobs:
+                    start = offsets.get(index, 0)
+                    lp = completion_logprobs(c.token_ids, c.logprobs, job.top_logprobs, job.decode, start)
+                    offsets[index] = start + sum(len(t) for t in lp.tokens)
+                if c.text or lp is not None or c.finish_reason is not None:
+                    choice = CompletionChoice(
+                        index=index, text=c.text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                    )
+                    yield frame([choice])
+            job.record_usage(i, chunk)
+        if job.include_usage:
+            yield frame([], job.total_usage())
+    except Exception as exc:  # noqa: BLE001 - after the 200 went out, errors travel as a frame
+        yield sse(_stream_error(exc, streams.prompt_param))
+    finally:
+        await streams.close()
+    yield SSE_DONE
+
+
+def _stream_error(exc: Exception, prompt_param: str) -> dict[str, Any]:
+    err = engine_error(exc, prompt_param)
+    logger.warning("stream failed after its first chunk: %s", err.message)
+    return err.envelope()
+
+
+# -- logprobs in OpenAI's shapes ----------------------------------------------------------------
+
+
+def _ranked(step: StepLogprobs) -> list[tuple[int, float]]:
+    return sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda item: -item[1])
+
+
+def chat_logprobs(token_ids: list[int], steps: list[StepLogprobs], top_n: int, decode: Decode) -> list[TokenLogprob]:
+    """Chat's ``logprobs.content`` entries: per token its text, logprob, UTF-8 bytes and the
+    ``top_n`` most likely candidates, best first."""
+    out = []
+    for token, step in zip(token_ids, steps):
+        text = decode(step, token)
+        top = []
+        for candidate, logprob in _ranked(step)[:top_n]:
+            candidate_text = decode(step, candidate)
+            top.append(TopLogprob(token=candidate_text, logprob=logprob, bytes=list(candidate_text.encode())))
+        logprob = step[token].logprob if token in step else float("nan")
+        out.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=top))
+    return out
+
+
+def completion_logprobs(
+    token_ids: list[int], steps: list[StepLogprobs], top_n: int, decode: Decode, offset: int
+) -> CompletionLogprobs:
+    """Completions' ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
+    ``top_n`` best and the sampled token) and ``text_offset``, which counts the token strings
+    from ``offset`` (the characters of this choice's text before these tokens)."""
+    out = CompletionLogprobs()
+    for token, step in zip(token_ids, steps):
+        text = decode(step, token)
+        out.tokens.append(text)
+        out.token_logprobs.append(step[token].logprob if token in step else None)
+        top = {decode(step, t): v for t, v in _ranked(step)[:top_n]}
+        top.setdefault(text, out.token_logprobs[-1])
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out

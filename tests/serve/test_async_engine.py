@@ -1,0 +1,389 @@
+"""AsyncEngine (and EngineReplica built directly, without Serve) over the real engine in
+this process: a tiny random Llama (no tokenizer: ids matter, text stays empty) and SmolLM2
+for text and stop strings. The oracle is LLMEngine driven alone, one request at a time.
+
+Coroutines run under ``asyncio.run`` inside plain tests (no pytest-asyncio here). Waits on
+the engine thread are bounded polls (``wait_until``), never sleeps of a guessed length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+
+from flotilla.cluster.engine.llm_engine import LLMEngine
+from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from flotilla.serve.async_engine import AsyncEngine
+from flotilla.serve.engine_replica import EngineReplica
+from flotilla.serve.types import EngineOverloadedError, EngineUnavailableError, GenerateRequest, ServeOptions
+from helpers.prompts import random_prompts
+from helpers.tiny_models import save_tiny_llama
+
+VOCAB = 256
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+WAIT_S = 10.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Tiny models are bound by per-op overhead; two intra-op threads on a busy 2-core box
+    spin against each other (as in tests/cluster/engine/test_llm.py)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(path, vocab_size=VOCAB)
+    return path
+
+
+def resolved(path, **flags):
+    source = resolve_model_source(str(path))
+    args = ServerArgs.create(model_path=str(source.path), max_total_tokens=2048, **flags)
+    return resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu")), source
+
+
+def make_engine(path, tokenizer=None, **flags) -> LLMEngine:
+    config, source = resolved(path, **flags)
+    return LLMEngine(config, source, tokenizer)
+
+
+@contextlib.contextmanager
+def async_engine(path, max_queued_requests=64, tokenizer=None, **flags):
+    engine = AsyncEngine(make_engine(path, tokenizer, **flags), max_queued_requests, replica_id="r0")
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def alone(engine: LLMEngine, prompt, params):
+    """The oracle: the request run by itself on a plain LLMEngine."""
+    request_id = engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.pop_output(request_id)
+
+
+def request(prompt, params=GREEDY, request_id="req", prefix_key=None):
+    return GenerateRequest(request_id, list(prompt), params, time.time(), prefix_key)
+
+
+async def collect(engine, req):
+    return [chunk async for chunk in engine.generate(req)]
+
+
+def tokens_by_index(chunks):
+    out: dict[int, list[int]] = {}
+    for chunk in chunks:
+        for c in chunk.completions:
+            out.setdefault(c.index, []).extend(c.token_ids)
+    return out
+
+
+async def wait_until(predicate, what):
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {WAIT_S} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def sample(engine: AsyncEngine, name, **labels):
+    value = engine.metrics.registry.get_sample_value(name, {"replica": "r0", **labels})
+    return 0.0 if value is None else value
+
+
+def test_concurrent_requests_get_the_tokens_of_the_engine_alone_and_metrics_count_them(model_dir):
+    prompts = random_prompts([5 + 3 * i for i in range(16)], VOCAB)
+    oracle = make_engine(model_dir)
+    expected = [alone(oracle, p, GREEDY).outputs[0].token_ids for p in prompts]
+    with async_engine(model_dir) as engine:
+
+        async def main():
+            streams = [collect(engine, request(p, request_id=f"r{i}")) for i, p in enumerate(prompts)]
+            return await asyncio.gather(*streams)
+
+        results = asyncio.run(main())
+        for prompt, chunks, want in zip(prompts, results, expected):
+            assert tokens_by_index(chunks) == {0: want}
+            assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+            assert chunks[0].queue_time_s is not None and chunks[0].queue_time_s >= 0
+            assert all(c.queue_time_s is None for c in chunks[1:])
+            last = chunks[-1]
+            assert (last.prompt_tokens, last.completion_tokens, last.error) == (len(prompt), 12, None)
+            assert last.completions[-1].finish_reason == "length"
+        assert engine.engine.scheduler.pool.num_used_blocks == 0
+        assert engine.load().running == engine.load().waiting == 0
+
+        generated = 16 * 12
+        assert sample(engine, "flotilla:generation_tokens_total") == generated
+        assert sample(engine, "flotilla:prompt_tokens_total") == sum(map(len, prompts))
+        assert sample(engine, "flotilla:request_success_total", finished_reason="length") == 16
+        for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+            assert sample(engine, f"flotilla:{name}_seconds_count") == 16, name
+        # Every token after a completion's first one is one inter-token gap.
+        assert sample(engine, "flotilla:inter_token_latency_seconds_count") == generated - 16
+        assert sample(engine, "flotilla:num_requests_running") == 0
+
+
+def test_n2_completions_interleave_and_match_the_engine_alone(model_dir):
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    prompt = random_prompts([9], VOCAB, seed=3)[0]
+    want = alone(make_engine(model_dir), prompt, params)
+    with async_engine(model_dir) as engine:
+        chunks = asyncio.run(collect(engine, request(prompt, params)))
+    got = tokens_by_index(chunks)
+    assert got == {0: want.outputs[0].token_ids, 1: want.outputs[1].token_ids}
+    assert got[0] != got[1]
+    # Both completions advance every step, so they share chunks.
+    assert all(sorted(c.index for c in chunk.completions) == [0, 1] for chunk in chunks)
+    assert chunks[-1].finished and chunks[-1].completion_tokens == 20
+
+
+def test_closing_or_cancelling_the_stream_aborts_the_request_and_frees_its_blocks(model_dir):
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompt = random_prompts([20], VOCAB)[0]
+    with async_engine(model_dir) as engine:
+
+        async def main():
+            closed = engine.generate(request(prompt, long, "closed"))
+            first = await closed.__anext__()
+            assert first.completions[0].token_ids and not first.finished
+
+            async def consume():
+                async for _ in engine.generate(request(prompt, long, "cancelled")):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await wait_until(lambda: engine.load().running == 2, "both requests running")
+            assert engine.load().kv_usage > 0
+            await closed.aclose()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await wait_until(lambda: engine.load().running == 0 and engine.load().kv_usage == 0, "the aborts")
+
+        asyncio.run(main())
+        assert engine.engine.scheduler.pool.num_used_blocks == 0
+        assert not engine.engine.has_unfinished_requests()
+        assert sample(engine, "flotilla:request_success_total", finished_reason="abort") == 2
+        # Neither ran to its 200 tokens (a missing abort would let both finish before the wait ends).
+        assert sample(engine, "flotilla:generation_tokens_total") < 2 * 200
+        # The engine forgot both requests (nothing left to pop).
+        assert not engine.engine._parents
+
+
+def test_a_full_queue_raises_overloaded_without_queuing(model_dir):
+    """The engine thread is held inside step() by a gate, so the two admitted requests
+    stay counted as waiting while the third arrives (no timing involved)."""
+    with async_engine(model_dir, max_queued_requests=2) as engine:
+        gate, real_step = threading.Event(), engine.engine.step
+
+        def gated_step():
+            assert gate.wait(WAIT_S), "gate never opened"
+            return real_step()
+
+        engine.engine.step = gated_step
+        prompt = random_prompts([6], VOCAB)[0]
+
+        async def main():
+            streams = [engine.generate(request(prompt, request_id=f"q{i}")) for i in range(2)]
+            firsts = [asyncio.create_task(s.__anext__()) for s in streams]
+            await wait_until(lambda: engine.load().waiting == 2, "two waiting requests")
+            with pytest.raises(EngineOverloadedError) as info:
+                await engine.generate(request(prompt, request_id="q2")).__anext__()
+            assert info.value.retry_after_s >= 1 and "max_queued_requests=2" in str(info.value)
+            assert engine.load().waiting == 2  # the refused request was not queued
+            gate.set()
+            for first, stream in zip(firsts, streams):
+                chunks = [await first] + [c async for c in stream]
+                assert chunks[-1].finished and chunks[-1].completion_tokens == 12
+            # Room again: a new request is served.
+            assert (await collect(engine, request(prompt, request_id="q3")))[-1].finished
+
+        asyncio.run(main())
+
+
+def test_bad_input_raises_value_error_before_any_chunk_and_the_engine_keeps_serving(model_dir):
+    prompt = random_prompts([6], VOCAB)[0]
+    bad = [
+        (request([VOCAB + 5, 1, 2]), "prompt_token_ids"),
+        (request(prompt, SamplingParams(max_tokens=4, stop_token_ids=[VOCAB + 1])), "stop_token_ids"),
+        (request(list(range(3, 3 + 300))), "prompt_token_ids"),  # longer than the context (256)
+    ]
+    with async_engine(model_dir) as engine:
+
+        async def main():
+            for req, param in bad:
+                seen = []
+                with pytest.raises(ValueError, match=param):
+                    async for chunk in engine.generate(req):
+                        seen.append(chunk)
+                assert seen == []
+            return await collect(engine, request(prompt))
+
+        chunks = asyncio.run(main())
+        assert chunks[-1].finished and chunks[-1].completion_tokens == 12
+        assert engine.load().waiting == 0
+
+
+def test_stream_interval_batches_tokens_but_sends_the_first_at_once(model_dir):
+    prompt = random_prompts([7], VOCAB)[0]
+    with async_engine(model_dir, stream_interval=4) as engine:
+        chunks = asyncio.run(collect(engine, request(prompt)))
+    sizes = [len(c.completions[0].token_ids) for c in chunks]
+    assert sizes == [1, 4, 4, 3]  # 12 tokens: the first alone, then batches of 4, then the rest
+    assert tokens_by_index(chunks)[0] == alone(make_engine(model_dir), prompt, GREEDY).outputs[0].token_ids
+
+
+def test_cached_prompt_tokens_are_reported_and_counted(model_dir):
+    prompt = random_prompts([40], VOCAB, seed=5)[0]
+    with async_engine(model_dir) as engine:
+        first = asyncio.run(collect(engine, request(prompt, request_id="a")))[-1]
+        second = asyncio.run(collect(engine, request(prompt, request_id="b", prefix_key=1234)))[-1]
+        assert first.cached_tokens == 0
+        assert 0 < second.cached_tokens < len(prompt)
+        assert sample(engine, "flotilla:prefix_cache_queries_total") == 2 * len(prompt)
+        assert sample(engine, "flotilla:prefix_cache_hits_total") == second.cached_tokens
+        assert engine.load().prefix_keys == (1234,)
+
+
+def test_a_failing_step_errors_every_request_then_the_engine_is_unavailable(model_dir):
+    with async_engine(model_dir) as engine:
+        runner, calls = engine.engine.runner, []
+        real_execute = runner.execute
+
+        def failing_execute(step, rows):
+            calls.append(1)
+            if len(calls) > 3:
+                raise RuntimeError("rank 0 lost")
+            return real_execute(step, rows)
+
+        runner.execute = failing_execute
+        prompts = random_prompts([5, 8], VOCAB)
+        long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+        async def main():
+            results = await asyncio.gather(*[collect(engine, request(p, long, f"f{i}")) for i, p in enumerate(prompts)])
+            with pytest.raises(EngineUnavailableError, match="rank 0 lost"):
+                await collect(engine, request(prompts[0]))
+            return results, await engine.is_healthy()
+
+        results, healthy = asyncio.run(main())
+        for chunks in results:
+            last = chunks[-1]
+            assert last.finished and "rank 0 lost" in last.error
+            assert last.completions[-1].finish_reason == "error"
+        assert not healthy
+        assert engine.engine.scheduler.pool.num_used_blocks == 0
+        assert sample(engine, "flotilla:request_success_total", finished_reason="error") == 2
+
+
+def test_an_unexpected_add_failure_answers_every_caller_and_marks_the_engine_dead(model_dir):
+    """Not bad input but a broken engine: the caller gets the error, the loop stops, and no
+    other caller (queued in the same batch or later) is left waiting."""
+    with async_engine(model_dir) as engine:
+
+        def broken_add(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        engine.engine.add_request = broken_add
+
+        async def attempt(i):
+            try:
+                await collect(engine, request([3, 4, 5], request_id=f"x{i}"))
+            except Exception as exc:  # noqa: BLE001 - the test sorts them below
+                return exc
+
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*[attempt(i) for i in range(3)]), WAIT_S)
+
+        errors = asyncio.run(main())
+        assert sum(type(e) is RuntimeError and "RuntimeError: boom" in str(e) for e in errors) == 1
+        assert sum(isinstance(e, EngineUnavailableError) for e in errors) == 2
+        assert not asyncio.run(engine.is_healthy())
+        assert "boom" in engine.dead_reason
+
+
+def test_idle_engine_thread_sleeps_and_shutdown_stops_it(model_dir):
+    with async_engine(model_dir) as engine:
+        checks = []
+        real = engine.engine.has_unfinished_requests
+        engine.engine.has_unfinished_requests = lambda: checks.append(1) or real()
+        time.sleep(0.5)
+        # A bounded wait of IDLE_WAIT_S (1 s) per check: a spinning loop would make thousands.
+        assert len(checks) <= 3
+        engine.shutdown()
+        assert not engine._thread.is_alive()
+        assert not asyncio.run(engine.is_healthy())
+        with pytest.raises(EngineUnavailableError):
+            asyncio.run(collect(engine, request([3, 4, 5])))
+
+
+def test_engine_replica_built_without_serve(model_dir):
+    config, _ = resolved(model_dir)
+    replica = EngineReplica(config, ServeOptions(model=str(model_dir), max_queued_requests=8), replica_id="rep-1")
+    try:
+        prompt = random_prompts([6], VOCAB)[0]
+
+        async def main():
+            chunks = [c async for c in replica.generate(request(prompt, prefix_key=99))]
+            await replica.check_health()
+            return chunks, await replica.metrics_text()
+
+        chunks, text = asyncio.run(main())
+        assert chunks[-1].finished and chunks[-1].completion_tokens == 12
+        stats = replica.record_routing_stats()
+        assert stats == {"running": 0, "waiting": 0, "kv_usage": 0.0, "max_queued": 8, "prefix_keys": (99,)}
+        assert 'flotilla:generation_tokens_total{replica="rep-1"} 12.0' in text
+        replica.engine.shutdown()
+        with pytest.raises(RuntimeError, match="rep-1 is unhealthy"):
+            asyncio.run(replica.check_health())
+    finally:
+        replica.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from flotilla.cluster.models.tokenizer import load_tokenizer
+
+    source = resolve_model_source(None)
+    tokenizer = load_tokenizer(source)
+    args = ServerArgs.create(model_path=str(source.path), max_total_tokens=4096)
+    config = resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu"))
+    engine = AsyncEngine(LLMEngine(config, source, tokenizer), 16, replica_id="r0")
+    yield engine, tokenizer
+    engine.shutdown()
+
+
+def test_smollm2_text_and_stop_strings_stream_through_the_engine(smollm2):
+    engine, tokenizer = smollm2
+    ids = tokenizer.encode("The capital of France is")
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    stopped = SamplingParams(temperature=0, max_tokens=8, stop=[" Paris"])
+
+    async def main():
+        return await asyncio.gather(
+            collect(engine, request(ids, plain, "plain")), collect(engine, request(ids, stopped, "stop"))
+        )
+
+    plain_chunks, stop_chunks = asyncio.run(main())
+    text = "".join(c.text for chunk in plain_chunks for c in chunk.completions)
+    assert text == tokenizer.decode(tokens_by_index(plain_chunks)[0], skip_special_tokens=True)
+    assert "Paris" in text
+    stop_text = "".join(c.text for chunk in stop_chunks for c in chunk.completions)
+    final = stop_chunks[-1].completions[-1]
+    assert (final.finish_reason, final.stop_reason) == ("stop", " Paris")
+    assert stop_text == text[: text.index(" Paris")]
