@@ -35,12 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_bench(rest)
     if command == "serve":
-        print(
-            "flotilla serve: the serving endpoint is not built yet (it arrives with the "
-            "serving issue); `flotilla resolve` shows the configuration it will run.",
-            file=sys.stderr,
-        )
-        return 2
+        from flotilla.deploy.serve_cmd import run_serve
+
+        return run_serve(rest)
     print(f"flotilla: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2
 

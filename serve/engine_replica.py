@@ -26,6 +26,7 @@ import sys
 from typing import Any, AsyncIterator
 
 from flotilla.cluster.models.sources import ModelSource, resolve_model_source
+from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 from flotilla.resolution import ResolvedConfig
 from flotilla.serve.async_engine import AsyncEngine
 from flotilla.serve.metrics import push_metrics_forever
@@ -58,7 +59,7 @@ class EngineReplica:
         self.config, self.options = config, options
         model = options.model if options.model is not None else config.model_path
         self.source: ModelSource = resolve_model_source(model)
-        tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(config, self.source)
+        tokenizer = None if config.skip_tokenizer_init else load_tokenizer_or_none(self.source, config.tokenizer_path)[0]
         self.engine = AsyncEngine.from_config(
             config, self.source, tokenizer, options.max_queued_requests, replica_id=self.replica_id
         )
@@ -130,20 +131,6 @@ def _serve_replica_id() -> str | None:
 
         return str(serve.get_replica_context().replica_tag)
     except Exception:  # noqa: BLE001 - not inside a Serve replica: a plain object
-        return None
-
-
-def _load_tokenizer(config: ResolvedConfig, source: ModelSource) -> Any:
-    """The model's tokenizer (``--tokenizer-path`` when it names another place), or None
-    with a warning when there is none (token-id prompts only)."""
-    from flotilla.cluster.models.tokenizer import load_tokenizer
-
-    where = config.tokenizer_path
-    target = source if where in (None, "", str(source.path)) else where
-    try:
-        return load_tokenizer(target)
-    except ValueError as exc:
-        logger.warning("no tokenizer, token-id prompts only: %s", exc)
         return None
 
 

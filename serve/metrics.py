@@ -39,6 +39,9 @@ HUB_TTL_S = 10.0
 # Seconds between a replica's pushes to the hub.
 PUSH_INTERVAL_S = 1.0
 METRICS_HUB_NAME = "flotilla-metrics-hub"
+# The hub lives in this fixed Ray namespace, whoever creates it (a replica, whose job
+# namespace may be anonymous, or a driver), so every process finds the same one.
+METRICS_HUB_NAMESPACE = "flotilla"
 
 # Bucket bounds (seconds), spanning CPU test models to large models on accelerators.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -213,28 +216,23 @@ def _hub_actor_class():
     return ray.remote(num_cpus=0)(MetricsHub)
 
 
-def get_metrics_hub(namespace: str | None = None):
-    """The :class:`MetricsHub` actor of the current Ray namespace (or ``namespace``),
-    created on first use.
+def get_metrics_hub():
+    """The :class:`MetricsHub` actor (in :data:`METRICS_HUB_NAMESPACE`), created on first use.
 
-    Needs a connected Ray (a Serve replica is; Serve's replicas all run in Serve's
-    namespace, ``"serve"``, so they share one hub). The actor is detached, so it outlives
-    the replica that happened to create it (a restarted replica must not take the others'
-    metrics down with it); :func:`shutdown_metrics_hub` removes it.
+    Needs a connected Ray. The actor is detached, so it outlives the replica that happened
+    to create it (a restarted replica must not take the others' metrics down with it);
+    :func:`shutdown_metrics_hub` removes it.
     """
-    options = dict(name=METRICS_HUB_NAME, get_if_exists=True, lifetime="detached")
-    if namespace is not None:
-        options["namespace"] = namespace
+    options = dict(name=METRICS_HUB_NAME, namespace=METRICS_HUB_NAMESPACE, get_if_exists=True, lifetime="detached")
     return _hub_actor_class().options(**options).remote()
 
 
-def shutdown_metrics_hub(namespace: str | None = None) -> bool:
-    """Kill the hub of the current namespace (or ``namespace``; a driver outside Serve
-    passes ``"serve"``), if there is one; returns whether one was found."""
+def shutdown_metrics_hub() -> bool:
+    """Kill the hub, if there is one; returns whether one was found."""
     import ray
 
     try:
-        hub = ray.get_actor(METRICS_HUB_NAME, namespace=namespace)
+        hub = ray.get_actor(METRICS_HUB_NAME, namespace=METRICS_HUB_NAMESPACE)
     except ValueError:
         return False
     ray.kill(hub)

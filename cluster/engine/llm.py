@@ -16,7 +16,6 @@ this machine); ``llm.config`` holds the frozen result.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping, Sequence
 
 from flotilla.cluster.engine.llm_engine import LLMEngine
@@ -26,7 +25,6 @@ from flotilla.cluster.models.sources import ModelSource, resolve_model_source
 from flotilla.cluster.platform import probe_for_workers
 from flotilla.resolution import ModelFacts, PlatformFacts, ServerArgs, resolve
 
-logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -52,21 +50,12 @@ class LLM:
         args = ServerArgs.create(model_path=str(self.source.path), **server_flags)
         self.config = resolve(args, ModelFacts.from_hf_config(self.source.config_dict), platform or probe_for_workers())
         self._tokenizer_error: str | None = None
-        self.tokenizer = None if self.config.skip_tokenizer_init else self._load_tokenizer()
+        self.tokenizer = None
+        if not self.config.skip_tokenizer_init:
+            from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
+
+            self.tokenizer, self._tokenizer_error = load_tokenizer_or_none(self.source, self.config.tokenizer_path)
         self.engine = LLMEngine(self.config, self.source, self.tokenizer)
-
-    def _load_tokenizer(self) -> Any:
-        from flotilla.cluster.models.tokenizer import load_tokenizer
-
-        where = self.config.tokenizer_path
-        target = self.source if where in (None, "", str(self.source.path)) else where
-        try:
-            return load_tokenizer(target)
-        except ValueError as exc:
-            # NOTE: a checkpoint without tokenizer files still serves token-id prompts.
-            self._tokenizer_error = str(exc)
-            logger.warning("no tokenizer, token-id prompts only: %s", exc)
-            return None
 
     def shutdown(self) -> None:
         """Release the engine's workers (a tensor-parallel group's Ray actors); idempotent.

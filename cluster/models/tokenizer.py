@@ -8,10 +8,13 @@ downloaded.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from flotilla.cluster.models.sources import ModelSource
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: ModelSource | str | Path) -> Any:
@@ -32,3 +35,15 @@ def load_tokenizer(source: ModelSource | str | Path) -> Any:
         return AutoTokenizer.from_pretrained(str(location), local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {needs} ({exc})") from None
+
+
+def load_tokenizer_or_none(source: ModelSource, tokenizer_path: str | None = None) -> tuple[Any, str | None]:
+    """``(tokenizer, None)``, or ``(None, why)`` when none can be built: a checkpoint without
+    tokenizer files still serves token-id prompts. ``tokenizer_path`` (``--tokenizer-path``)
+    names another place when it is not the model's own."""
+    target: ModelSource | str = source if tokenizer_path in (None, "", str(source.path)) else tokenizer_path
+    try:
+        return load_tokenizer(target), None
+    except ValueError as exc:
+        logger.warning("no tokenizer, token-id prompts only: %s", exc)
+        return None, str(exc)

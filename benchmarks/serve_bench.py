@@ -1,0 +1,118 @@
+"""The serving path's cost: the same workload through HTTP (Ray Serve + the OpenAI ingress)
+and through the in-process engine.
+
+    python benchmarks/serve_bench.py [--num-requests 96] [--concurrency 32] [--input-len 64]
+                                     [--output-len 32] [--rounds 2] [--json OUT] [server flags as key=value]
+
+Workload: ``--num-requests`` random token-id prompts (seeded) through ``/v1/completions``
+(streaming, greedy, ``ignore_eos``: exactly ``--output-len`` tokens each), ``--concurrency``
+in flight (a closed loop, :mod:`flotilla.deploy.loadgen`). The in-process run drives an
+:class:`~flotilla.serve.async_engine.AsyncEngine` (the engine an engine replica holds) with
+the same prompts and concurrency, no HTTP and no Serve. Rounds alternate HTTP and in-process
+so drift on a noisy machine hits both; the report gives each round and the ratio of the
+medians: output tokens/s (HTTP / in-process) and the TTFT overhead (HTTP - in-process).
+The prefix cache is off so repeated rounds do not get faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("flags", nargs="*", help="server fields as key=value (e.g. max_total_tokens=8192)")
+    opts = parser.parse_args(argv)
+    flags = dict(f.split("=", 1) for f in opts.flags)
+    flags = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in flags.items()}
+    flags.setdefault("disable_radix_cache", True)
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from ray import serve
+
+    from flotilla.cluster.models.sources import resolve_model_source
+    from flotilla.deploy.loadgen import engine_load, http_load
+    from flotilla.deploy.serve_cmd import deploy
+    from flotilla.serve.app import ensure_ray, resolve_for_serving, serve_options
+    from flotilla.serve.async_engine import AsyncEngine
+
+    ensure_ray(None, num_cpus=4)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config, model = resolve_for_serving({**flags, "port": port})
+    options = serve_options(config, model=model)
+    source = resolve_model_source(model)
+    prompts = _prompts(opts.num_requests, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed)
+    warm = prompts[:4]
+
+    url = deploy(config, options)
+    engine = AsyncEngine.from_config(config, source, None, options.max_queued_requests)
+
+    def run_http():
+        return asyncio.run(http_load(url, options.served_model_name, prompts, opts.output_len, opts.concurrency))
+
+    def run_local():
+        return asyncio.run(engine_load(engine, prompts, opts.output_len, opts.concurrency))
+
+    asyncio.run(http_load(url, options.served_model_name, warm, 4, 4))  # warm-up both paths
+    asyncio.run(engine_load(engine, warm, 4, 4))
+    rounds = []
+    for _ in range(opts.rounds):
+        http = run_http().summary()
+        local = run_local().summary()
+        rounds.append({"http": http, "in_process": local})
+        print(json.dumps(rounds[-1]), flush=True)
+    engine.shutdown()
+    serve.shutdown()
+
+    http_tps = statistics.median(r["http"]["output_tok_s"] for r in rounds)
+    local_tps = statistics.median(r["in_process"]["output_tok_s"] for r in rounds)
+    http_ttft = statistics.median(r["http"]["ttft_median_s"] for r in rounds)
+    local_ttft = statistics.median(r["in_process"]["ttft_median_s"] for r in rounds)
+    results = {
+        "workload": {k: getattr(opts, k) for k in ("num_requests", "concurrency", "input_len", "output_len", "seed")},
+        "server_flags": flags,
+        "model": options.served_model_name,
+        "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
+        "date": time.strftime("%Y-%m-%d"),
+        "rounds": rounds,
+        "http_output_tok_s_median": http_tps,
+        "in_process_output_tok_s_median": local_tps,
+        "http_over_in_process": round(http_tps / local_tps, 3),
+        "ttft_median_http_s": http_ttft,
+        "ttft_median_in_process_s": local_ttft,
+        "ttft_overhead_s": round(http_ttft - local_ttft, 4),
+        "command": [sys.executable, *sys.argv],
+    }
+    print(json.dumps({k: v for k, v in results.items() if k != "rounds"}, indent=2))
+    if opts.json:
+        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""``flotilla serve``: the OpenAI-compatible endpoint on a Ray cluster.
+
+    flotilla serve [--model M] [server flags, SGLang spelling]...
+                   [--router least-loaded|prefix-affinity] [--num-replicas N]
+                   [--replica-num-cpus C] [--address ADDR] [--non-blocking]
+
+The server flags are ``flotilla resolve``'s (``--tp-size``, ``--max-running-requests``,
+...); ``--host`` (default 127.0.0.1), ``--port`` (30000), ``--api-key``,
+``--max-queued-requests`` and ``--served-model-name`` act as in SGLang. The configuration
+is resolved once, here, then:
+
+- Ray: ``--address`` (or ``RAY_ADDRESS``; ``auto`` finds a ``ray start`` cluster on this
+  machine) joins a running cluster, and the platform is probed on a worker node; without
+  one a local cluster starts on loopback and ends with this command. Under
+  ``ray job submit -- flotilla serve ...`` the job sets ``RAY_ADDRESS``.
+- Serve's HTTP proxy listens on ``--host``:``--port``; the application (ingress, router,
+  ``--num-replicas`` engine replicas) is deployed as ``flotilla`` and this command prints
+  the URL and a curl line once ``/health`` answers.
+- It then blocks until Ctrl-C or SIGTERM and shuts the application down cleanly.
+  ``--non-blocking`` (as in ``serve run``) returns once ready instead, leaving the
+  application on the cluster (for jobs; needs a running cluster); remove it with
+  ``serve shutdown`` or ``serve delete flotilla``. ``ray job stop`` sends SIGTERM and
+  kills the driver 3 s later (``RAY_JOB_STOP_WAIT_TIME_S``); Serve still finishes
+  shutting down on the cluster.
+
+Exit status 2, with the reason on stderr, for a bad flag or a rejected configuration;
+1 when the application fails to start (e.g. the model does not load), after cleaning up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Sequence
+
+from flotilla.resolution import ArgumentError, ResolutionError
+from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
+from flotilla.resolution.fields import FIELDS
+
+# How long to wait for /health to answer 200 after the application reports running.
+READY_TIMEOUT_S = 120.0
+# The question the printed curl line asks.
+SAMPLE_QUESTION = "What is the capital of France?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="flotilla serve",
+        add_help=False,
+        description="Serve a model through an OpenAI-compatible HTTP endpoint on Ray Serve.",
+    )
+    own = parser.add_argument_group("serve options")
+    own.add_argument("--help", "-h", action="help", help="show this help and exit")
+    own.add_argument(
+        "--router",
+        choices=("least-loaded", "prefix-affinity"),
+        default="least-loaded",
+        help="how requests pick an engine replica (default least-loaded)",
+    )
+    own.add_argument(
+        "--num-replicas", type=int, default=None, help="engine replicas (default: the resolved dp_size, else 1)"
+    )
+    own.add_argument(
+        "--replica-num-cpus", type=float, default=None, help="CPUs each engine replica reserves (default 0.5)"
+    )
+    own.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (default: RAY_ADDRESS; 'auto' finds one on this machine; none: start a local one)",
+    )
+    own.add_argument(
+        "--non-blocking",
+        action="store_true",
+        help="return once the endpoint is ready, leaving it running on the cluster (for `ray job submit`)",
+    )
+    add_server_flags(parser, FIELDS.values())
+    return parser
+
+
+def parse_serve_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """(own options, the server fields given); :class:`ArgumentError` on bad input."""
+    parser = build_parser()
+    opts, unknown = parser.parse_known_args(list(argv))
+    own_flags = [o for a in parser._actions for o in a.option_strings]
+    reject_unknown(unknown, server_flag_names() + own_flags)
+    if opts.num_replicas is not None and opts.num_replicas < 1:
+        raise ArgumentError(f"--num-replicas must be at least 1, got {opts.num_replicas}")
+    if opts.replica_num_cpus is not None and opts.replica_num_cpus < 0:
+        raise ArgumentError(f"--replica-num-cpus must not be negative, got {opts.replica_num_cpus}")
+    given = {k: v for k, v in vars(opts).items() if k in FIELDS}
+    return opts, given
+
+
+def run_serve(argv: Sequence[str]) -> int:
+    """Entry of ``flotilla serve``; returns the exit status."""
+    try:
+        opts, given = parse_serve_args(argv)
+        joining = bool(opts.address or os.environ.get("RAY_ADDRESS"))
+        if opts.non_blocking and not joining:
+            raise ArgumentError(
+                "--non-blocking leaves the endpoint on a running cluster, and none is named: "
+                "pass --address (or set RAY_ADDRESS), or drop --non-blocking"
+            )
+    except ArgumentError as exc:
+        _print_error(exc)
+        return 2
+    if not joining:
+        # NOTE: Ray reads this when it is imported (below): without it Ray 2.60 binds the
+        # non-loopback interface even for a local cluster.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    from flotilla.serve.app import ensure_ray, resolve_for_serving, serve_options
+
+    try:
+        if joining:
+            ensure_ray(opts.address)  # NOTE: before resolving, so the probe runs on a worker node
+        config, model = resolve_for_serving(given)
+        options = serve_options(
+            config,
+            model=model,
+            served_model_name_given=given.get("served_model_name"),
+            router=opts.router,
+            num_replicas=opts.num_replicas,
+            replica_num_cpus=opts.replica_num_cpus,
+        )
+    except (ArgumentError, ResolutionError, ValueError) as exc:
+        _print_error(exc)
+        return 2
+    started_local = False if joining else _start_local(config, options)
+    serve_was_running = _serve_running()
+    if serve_was_running:
+        print(
+            "flotilla serve: note: Serve is already running on this cluster; its HTTP options stay as they are",
+            file=sys.stderr,
+        )
+    try:
+        url = deploy(config, options)
+    except KeyboardInterrupt:
+        print("flotilla serve: interrupted while starting; shutting down", file=sys.stderr)
+        _shutdown(started_local, serve_was_running)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - report any deploy failure as one line, then clean up
+        print(f"flotilla serve: error: the application did not start: {exc}", file=sys.stderr)
+        _shutdown(started_local, serve_was_running)
+        return 1
+    print(ready_message(url, options, config, blocking=not opts.non_blocking))
+    sys.stdout.flush()
+    if opts.non_blocking:
+        return 0
+    _wait_for_interrupt()
+    print("flotilla serve: shutting down", file=sys.stderr)
+    _shutdown(started_local, serve_was_running)
+    return 0
+
+
+def _print_error(exc: Exception) -> None:
+    if isinstance(exc, ResolutionError):
+        for violation in exc.violations:
+            print(violation.message, file=sys.stderr)
+    else:
+        print(f"flotilla serve: error: {exc}", file=sys.stderr)
+
+
+def _start_local(config, options) -> bool:
+    """Start a local Ray cluster with enough logical CPUs for the application."""
+    from flotilla.cluster.group import CPU_BUNDLE_SHARE
+    from flotilla.serve.app import INGRESS_NUM_CPUS, ensure_ray
+
+    tp = int(config.tp_size or 1)
+    # NOTE: a tensor-parallel replica's worker group reserves CPU_BUNDLE_SHARE per rank.
+    per_replica = options.replica_num_cpus + (tp * CPU_BUNDLE_SHARE if tp > 1 else 0)
+    needed = math.ceil(options.num_replicas * per_replica + INGRESS_NUM_CPUS + 1)
+    return ensure_ray(None, num_cpus=max(4, os.cpu_count() or 1, needed))
+
+
+def _serve_running() -> bool:
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def deploy(config, options) -> str:
+    """Start Serve's proxy on ``config.host``:``config.port``, deploy the application and
+    wait until ``/health`` answers; returns the base URL (``http://host:port``)."""
+    from ray import serve
+
+    from flotilla.serve.app import APP_NAME, build_app
+
+    # NOTE: HeadOnly: one proxy, on the node this URL names (the head, where jobs run).
+    serve.start(http_options={"host": config.host, "port": int(config.port)}, proxy_location="HeadOnly")
+    serve.run(build_app(config, options), name=APP_NAME, route_prefix="/", blocking=False)
+    url = f"http://{_client_host(config.host)}:{int(config.port)}"
+    wait_until_healthy(url, READY_TIMEOUT_S)
+    return url
+
+
+def _client_host(host: str) -> str:
+    """Where a client on this machine reaches a proxy bound to ``host``."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def wait_until_healthy(url: str, timeout_s: float) -> None:
+    """Poll ``url``/health until it answers 200; TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+                last = f"status {response.status}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f}s (last: {last})")
+
+
+def ready_message(url: str, options, config, blocking: bool = True) -> str:
+    """What ``flotilla serve`` prints once ready: the URL and a ready-to-paste curl line."""
+    from flotilla.serve.app import APP_NAME
+
+    body = {
+        "model": options.served_model_name,
+        "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
+        "max_tokens": 32,
+    }
+    curl = f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'"
+    if options.api_key:
+        curl += ' -H "Authorization: Bearer $FLOTILLA_API_KEY"'
+    curl += f" -d {shlex.quote(json.dumps(body))}"
+    replicas = f"{options.num_replicas} engine replica{'s' if options.num_replicas != 1 else ''}"
+    lines = [
+        f"flotilla serve: {options.served_model_name} is ready at {url}/v1 "
+        f"({replicas}, router {options.router}, config {config.digest[:12]})",
+        "try:",
+        f"  {curl}",
+    ]
+    if options.api_key:
+        lines.append("  (with FLOTILLA_API_KEY set to the --api-key value)")
+    stop = "Ctrl-C" if blocking else f"serve delete {APP_NAME} (or serve shutdown)"
+    lines.append(f"metrics: {url}/metrics    health: {url}/health    stop: {stop}")
+    return "\n".join(lines)
+
+
+def _wait_for_interrupt() -> None:
+    """Block until Ctrl-C or SIGTERM (``ray job stop`` sends SIGTERM)."""
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _shutdown(started_local: bool, serve_was_running: bool) -> None:
+    """Remove what this command deployed: all of Serve when it started Serve, else only
+    the ``flotilla`` application; the metrics hub; and the local cluster it started."""
+    import ray
+    from ray import serve
+
+    from flotilla.serve.app import APP_NAME
+    from flotilla.serve.metrics import shutdown_metrics_hub
+
+    if not ray.is_initialized():
+        return
+    # NOTE: the hub first: it is quick, and `ray job stop` kills the driver 3 s
+    # (RAY_JOB_STOP_WAIT_TIME_S) after its SIGTERM.
+    try:
+        shutdown_metrics_hub()
+    except Exception:  # noqa: BLE001 - gone already
+        pass
+    try:
+        if serve_was_running:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+    except Exception as exc:  # noqa: BLE001 - best effort: say so and go on
+        print(f"flotilla serve: note: shutting Serve down failed: {exc}", file=sys.stderr)
+    if started_local:
+        ray.shutdown()

@@ -1,0 +1,412 @@
+"""The Serve application: an OpenAI ingress in front of a pool of engine replicas.
+
+    client --HTTP--> Serve proxy --> "ingress" (FastAPI: OpenAI schema, tokenize)
+        --handle, routed by flotilla.serve.router--> "engine" replicas (EngineReplica)
+
+- :func:`build_app` turns one resolved configuration into the application
+  (``serve.run(build_app(config, options))``); ``flotilla serve`` does that.
+- :func:`build` is the same for ``serve run flotilla.serve.app:build model_path=... tp_size=2``
+  and Serve config files: arguments by their server field names (SGLang's), plus the
+  :class:`ServeOptions` fields ``router``, ``num_replicas``, ``replica_num_cpus``,
+  ``max_body_bytes``; it resolves once, probing the platform on a worker node.
+- :class:`ServeEngineClient` is the ingress's :class:`EngineClient` over the engine
+  deployment's handle.
+
+NOTE: the config reaches every replica as one pickled object: Serve pickles a deployment's
+bind arguments once, keeps them in the controller and unpickles the same bytes in each
+replica (restarts included). A ``ray.put`` ObjectRef would not help: Serve hands bind-time
+ObjectRefs to the replica unresolved, and the object would die with its owner, the driver
+(a ``--non-blocking`` job driver exits after deploying).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping
+
+from ray import serve
+from ray.serve import Application, Deployment
+from ray.serve.config import RequestRouterConfig
+
+from flotilla.resolution import ArgumentError, ResolvedConfig, ServerArgs
+from flotilla.resolution.fields import FIELDS
+from flotilla.serve.router import router_class_path
+from flotilla.serve.types import (
+    EngineOverloadedError,
+    EngineUnavailableError,
+    GenerateChunk,
+    GenerateRequest,
+    ServeOptions,
+)
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "flotilla"
+ENGINE_DEPLOYMENT = "engine"
+INGRESS_DEPLOYMENT = "ingress"
+# How often Serve polls each engine replica's load for the router, and how long it waits.
+ROUTING_STATS_PERIOD_S = 0.5
+ROUTING_STATS_TIMEOUT_S = 5.0
+# Serve's per-replica in-flight bound sits this far above what the engine itself accepts
+# (running + queued), so the engine's queue bound is what rejects (a 429 with the
+# engine's message), not Serve's router queue.
+ONGOING_HEADROOM = 8
+INGRESS_NUM_CPUS = 0.25
+ENGINE_HEALTH_CHECK_PERIOD_S = 5.0
+# An engine step on a large model can hold the replica busy; health checks wait this long.
+ENGINE_HEALTH_CHECK_TIMEOUT_S = 30.0
+# A stopping engine replica lets in-flight requests finish for up to this long.
+ENGINE_GRACEFUL_SHUTDOWN_S = 10.0
+# A replica whose constructor fails (bad model, out of memory) is retried this often
+# before the deployment fails, so a bad start fails fast instead of looping.
+MAX_CONSTRUCTOR_RETRIES = 3
+# Bounds on the ingress's calls for /health and /metrics.
+HEALTH_TIMEOUT_S = 5.0
+METRICS_TIMEOUT_S = 5.0
+DEFAULT_SERVED_MODEL_NAME = "smollm2"
+# build() arguments that are serving options, not server fields.
+OPTION_ARGS = ("router", "num_replicas", "replica_num_cpus", "max_body_bytes")
+
+
+# -- the ingress's engine client ---------------------------------------------------------
+
+
+def _engine_error(exc: BaseException) -> BaseException:
+    """The contract's error for what a handle call raised: the replica's own exception
+    (unwrapped from Ray's RayTaskError), ``EngineOverloadedError`` for Serve's
+    backpressure, ``EngineUnavailableError`` for a dead or unreachable replica."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), Exception):
+        exc = exc.cause
+    if isinstance(exc, (EngineOverloadedError, EngineUnavailableError, ValueError)):
+        return exc
+    if isinstance(exc, BackPressureError):
+        return EngineOverloadedError(f"every engine replica is busy ({exc})", retry_after_s=1)
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)):
+        return EngineUnavailableError(f"the engine replica is unavailable: {exc}")
+    return exc
+
+
+class ServeEngineClient:
+    """:class:`~flotilla.serve.types.EngineClient` over the engine deployment's handle.
+
+    Args:
+        handle: the ``DeploymentHandle`` of the engine deployment (Serve gives the ingress
+            one for the bound engine application).
+        metrics_timeout_s: bound on gathering the replicas' metrics.
+    """
+
+    def __init__(self, handle: Any, metrics_timeout_s: float = METRICS_TIMEOUT_S):
+        self._handle = handle
+        self._stream = handle.options(stream=True, method_name="generate")
+        self._metrics_timeout_s = metrics_timeout_s
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's chunks from the replica the router picks. Closing the
+        iterator early (the client left) cancels the call, so the replica aborts the
+        request and frees its KV blocks."""
+        response = self._stream.remote(request)
+        done = False
+        try:
+            async for chunk in response:
+                yield chunk
+            done = True
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            done = True
+            error = _engine_error(exc)
+            if error is exc:
+                raise
+            raise error from None
+        finally:
+            if not done:
+                response.cancel()
+
+    async def is_healthy(self) -> bool:
+        """Whether an engine replica answers healthy within the health timeout."""
+        try:
+            return bool(await asyncio.wait_for(self._handle.is_healthy.remote(), HEALTH_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - unreachable or dead is unhealthy
+            logger.warning("engine health check failed: %s", exc)
+            return False
+
+    async def metrics_text(self) -> str:
+        """Every live engine replica's ``flotilla:`` metrics, merged (one ``replica``
+        label per replica), from the namespace's metrics hub."""
+        from flotilla.serve.metrics import collect_metrics_text
+
+        return await collect_metrics_text(self._metrics_timeout_s)
+
+
+@serve.deployment(name=INGRESS_DEPLOYMENT)
+@serve.ingress()
+class OpenAIIngress:
+    """The ingress deployment: the FastAPI app of :func:`flotilla.serve.ingress.create_app`
+    over a :class:`ServeEngineClient`, built late (in the replica, after ``__init__``)."""
+
+    def __init__(self, engine: Any, config: ResolvedConfig, options: ServeOptions):
+        self._client = ServeEngineClient(engine)
+        self._config, self._options = config, options
+        self._tokenizer = None if config.skip_tokenizer_init else ingress_tokenizer(config, options)
+
+    def __serve_build_asgi_app__(self):
+        from flotilla.serve.ingress import create_app
+
+        # NOTE: Serve's proxy echoes X-Request-Id itself.
+        return create_app(self._client, self._tokenizer, self._options, self._config, echo_request_id=False)
+
+
+def ingress_tokenizer(config: ResolvedConfig, options: ServeOptions) -> Any:
+    """The tokenizer the ingress templates and tokenizes with (the engine replicas load
+    the same one); None, with a warning, when the model has none (token-id prompts only)."""
+    from flotilla.cluster.models.sources import resolve_model_source
+    from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
+
+    source = resolve_model_source(options.model if options.model is not None else config.model_path)
+    return load_tokenizer_or_none(source, config.tokenizer_path)[0]
+
+
+# -- the application -----------------------------------------------------------------------
+
+
+def engine_capacity(config: ResolvedConfig, options: ServeOptions) -> int:
+    """Requests one engine replica accepts before its queue bound rejects: its running
+    cap plus ``options.max_queued_requests``."""
+    from flotilla.cluster.engine.llm_engine import DEFAULT_MAX_RUNNING_REQUESTS
+
+    running = int(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+    return running + int(options.max_queued_requests)
+
+
+def engine_deployment_options(config: ResolvedConfig, options: ServeOptions) -> dict[str, Any]:
+    """``Deployment.options`` of the engine pool (see the constants for the choices)."""
+    on_gpu = (config.device or "cpu") == "cuda"
+    actor: dict[str, Any] = {"num_cpus": options.replica_num_cpus}
+    if on_gpu and int(config.tp_size or 1) == 1:
+        # NOTE: one rank runs inside the replica; a tensor-parallel replica's worker group
+        # reserves its own GPUs in a placement group.
+        actor["num_gpus"] = 1
+    if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
+        # NOTE: Ray gives an actor with fewer than 2 CPUs OMP_NUM_THREADS=1, which would
+        # run a CPU engine on one core; share this machine's cores among the replicas.
+        threads = max(1, (os.cpu_count() or 1) // options.num_replicas)
+        actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    return dict(
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=options.num_replicas,
+        max_ongoing_requests=engine_capacity(config, options) + ONGOING_HEADROOM,
+        # NOTE: only reached when no replica can take a request (all at the bound above,
+        # or restarting); Serve then raises BackPressureError, which becomes a 429.
+        max_queued_requests=int(options.max_queued_requests) * options.num_replicas,
+        ray_actor_options=actor,
+        request_router_config=RequestRouterConfig(
+            request_router_class=router_class_path(options.router),
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
+        ),
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=ENGINE_HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_wait_loop_s=1.0,
+        graceful_shutdown_timeout_s=ENGINE_GRACEFUL_SHUTDOWN_S,
+        max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES,
+    )
+
+
+def ingress_deployment_options(config: ResolvedConfig, options: ServeOptions) -> dict[str, Any]:
+    """``Deployment.options`` of the ingress: room for every request the engine pool
+    accepts; beyond that the proxy answers 429 itself."""
+    pool = engine_capacity(config, options) * options.num_replicas + ONGOING_HEADROOM
+    return dict(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=pool,
+        max_queued_requests=pool,
+        backpressure_config={"status_code": 429, "retry_after_s": 1},
+        ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+    )
+
+
+def build_app(config: ResolvedConfig, options: ServeOptions) -> Application:
+    """The Serve application for one resolved configuration: the ``ingress`` deployment
+    bound to the ``engine`` deployment's handle, both bound to ``(config, options)``."""
+    from flotilla.serve.engine_replica import EngineReplica
+
+    router_class_path(options.router)  # NOTE: fail here, not in a replica, on a bad name
+    if options.num_replicas < 1:
+        raise ValueError(f"num_replicas={options.num_replicas} must be at least 1")
+    engine_cls = EngineReplica if isinstance(EngineReplica, Deployment) else serve.deployment(EngineReplica)
+    engine = engine_cls.options(**engine_deployment_options(config, options)).bind(config, options)
+    return OpenAIIngress.options(**ingress_deployment_options(config, options)).bind(engine, config, options)
+
+
+# -- resolution for serving ----------------------------------------------------------------
+
+
+def served_model_name(model: str | None, explicit: str | None = None) -> str:
+    """The name ``/v1/models`` reports: ``--served-model-name`` when given; ``smollm2``
+    for the embedded default; else the ``--model`` value, a local path by its last part
+    (``/models/llama3`` -> ``llama3``, ``x/y.gguf`` -> ``y``)."""
+    if explicit:
+        return explicit
+    if model is None or model.strip().lower() == DEFAULT_SERVED_MODEL_NAME:
+        return DEFAULT_SERVED_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.stem if path.suffix.lower() == ".gguf" else path.name
+    return model
+
+
+def serve_options(
+    config: ResolvedConfig,
+    *,
+    model: str | None,
+    served_model_name_given: str | None = None,
+    router: str = "least-loaded",
+    num_replicas: int | None = None,
+    replica_num_cpus: float | None = None,
+    max_body_bytes: int | None = None,
+) -> ServeOptions:
+    """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
+    from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
+    replica when DP attention keeps the DP ranks inside one engine)."""
+    defaults = ServeOptions()
+    if num_replicas is None:
+        num_replicas = 1 if config.enable_dp_attention else int(config.dp_size or 1)
+    router_class_path(router)
+    return ServeOptions(
+        model=model,
+        served_model_name=served_model_name(model, served_model_name_given),
+        num_replicas=int(num_replicas),
+        router=router,
+        max_queued_requests=int(config.max_queued_requests or defaults.max_queued_requests),
+        max_body_bytes=int(max_body_bytes or defaults.max_body_bytes),
+        api_key=config.api_key or None,
+        replica_num_cpus=float(replica_num_cpus if replica_num_cpus is not None else defaults.replica_num_cpus),
+    )
+
+
+def resolve_for_serving(given: Mapping[str, Any], platform: Any = None) -> tuple[ResolvedConfig, str | None]:
+    """Resolve the server configuration once for serving.
+
+    Args:
+        given: the server fields the user set (``model_path`` is the ``--model`` value;
+            absent or None: the embedded SmolLM2).
+        platform: the PlatformFacts to resolve for (default: probed, see below).
+
+    Returns the config (resolved for the platform of the Ray cluster's worker nodes when
+    this process is connected to one, else this machine's) and the ``--model`` value.
+    """
+    from flotilla.cluster.models.sources import resolve_model_source
+    from flotilla.cluster.platform import probe_for_workers
+    from flotilla.resolution import ModelFacts, resolve
+
+    given = dict(given)
+    model = given.pop("model_path", None)
+    source = resolve_model_source(model)
+    args = ServerArgs.create(model_path=str(source.path), **given)
+    facts = platform if platform is not None else probe_for_workers()
+    return resolve(args, ModelFacts.from_hf_config(source.config_dict), facts), model
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Connect this process to Ray: to ``address`` (or ``RAY_ADDRESS``; ``"auto"`` finds a
+    cluster started on this machine with ``ray start``) when one is named, else start a
+    local cluster on loopback. Returns whether a local cluster was started here (it ends
+    with this process). Inside a Ray job ``RAY_ADDRESS`` is set, so the job's driver
+    attaches to its cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address)
+        return False
+    # NOTE: without this Ray 2.60 binds the non-loopback interface. Ray reads it when it
+    # is imported, so callers that want loopback set it before that (flotilla serve does;
+    # for `serve run`, export it); setting it here covers the processes Ray starts.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False)
+    return True
+
+
+def _flag_argv(name: str, value: Any) -> list[str]:
+    """``name=value`` (a server field, value from a CLI string or typed YAML) as flags."""
+    spec = FIELDS.get(name)
+    if spec is None or not spec.cli:
+        from flotilla.resolution.args import closest_flag
+
+        near = closest_flag(name, [n for n, s in FIELDS.items() if s.cli] + list(OPTION_ARGS))
+        hint = f"; did you mean {near}?" if near else ""
+        raise ArgumentError(f"unknown argument {name!r} (server fields use SGLang's names, e.g. tp_size){hint}")
+    if spec.kind in ("bool", "tristate"):
+        text = str(value).strip().lower()
+        if text not in ("true", "false", "1", "0", "yes", "no"):
+            raise ArgumentError(f"{name} expects true or false, got {value!r}")
+        on = text in ("true", "1", "yes")
+        if on:
+            return [spec.flag]
+        return ["--no-" + spec.flag[2:]] if spec.kind == "tristate" else []
+    if spec.nargs is not None:
+        items = value if isinstance(value, (list, tuple)) else re.split(r"[,\s]+", str(value).strip())
+        return [spec.flag, *(str(v) for v in items if str(v) != "")]
+    if spec.kind in ("json", "json_list") and not isinstance(value, str):
+        import json
+
+        return [spec.flag, json.dumps(value)]
+    return [spec.flag, str(value)]
+
+
+def parse_build_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``serve run`` / Serve-config arguments into (the server fields given, parsed
+    as the CLI parses their flags; the ServeOptions arguments). ``model`` is an alias of
+    ``model_path``. Raises :class:`ArgumentError` naming an unknown argument or bad value."""
+    argv: list[str] = []
+    option_args: dict[str, Any] = {}
+    for name, value in args.items():
+        name = str(name).replace("-", "_")
+        if value is None:
+            continue
+        if name in OPTION_ARGS:
+            option_args[name] = value
+            continue
+        argv += _flag_argv("model_path" if name == "model" else name, value)
+    parsed = ServerArgs.from_cli(argv)
+    return {name: parsed.values[name] for name in parsed.explicit}, option_args
+
+
+def build(args: dict[str, Any]) -> Application:
+    """The application for ``serve run flotilla.serve.app:build KEY=VALUE ...`` and Serve
+    config files (``import_path: flotilla.serve.app:build`` with ``args:``).
+
+    Keys are server field names as SGLang spells them (``model_path`` or ``model``,
+    ``tp_size``, ``max_running_requests``, ``api_key``, ``max_queued_requests``,
+    ``served_model_name``, ...; values as strings or typed YAML) plus ``router``
+    (``least-loaded``|``prefix-affinity``), ``num_replicas``, ``replica_num_cpus``,
+    ``max_body_bytes``. The configuration is resolved once, here, for the platform of the
+    cluster's worker nodes (this connects to Ray first when ``serve run`` has not yet).
+    NOTE: host and port are Serve's ``http_options`` (``serve run`` / the config file),
+    not these arguments.
+    """
+    given, option_args = parse_build_args(args)
+    ensure_ray()
+    config, model = resolve_for_serving(given)
+    options = serve_options(
+        config,
+        model=model,
+        served_model_name_given=given.get("served_model_name"),
+        router=str(option_args.get("router", "least-loaded")),
+        num_replicas=int(option_args["num_replicas"]) if "num_replicas" in option_args else None,
+        replica_num_cpus=float(option_args["replica_num_cpus"]) if "replica_num_cpus" in option_args else None,
+        max_body_bytes=int(option_args["max_body_bytes"]) if "max_body_bytes" in option_args else None,
+    )
+    logger.info("serving %s (config %s)", options.served_model_name, config.digest[:16])
+    return build_app(config, options)

@@ -1,0 +1,329 @@
+"""Request routing for the engine pool: least-loaded (default) and prefix-affinity.
+
+Serve asks a deployment's request router, per request, for a ranking of replicas
+(``RequestRouter.choose_replicas`` returns a list of replica lists, best first); it then
+sends the request to the first replica in that ranking with room under
+``max_ongoing_requests``. The policies here decide the ranking from two signals:
+
+- the load each engine replica reports (``record_routing_stats`` returns the fields of
+  :class:`~flotilla.serve.types.ReplicaLoad` as a dict; Serve polls it every
+  ``request_routing_stats_period_s`` and hands it to the router as
+  ``RunningReplica.routing_stats``), and
+- the requests in flight at each replica as the router itself counts them: Serve's
+  queue-length cache (the replica's own count at each accept, plus this router's sends
+  and completions since) and the router's own assignments (:class:`InFlight`), which
+  count a request from the moment it is ranked. NOTE: in a burst Serve ranks many
+  requests before the first is sent; without counting its own assignments the router
+  would send the whole burst to one replica.
+
+The fresh count decides the load when the router has one; the reported load (which lags
+by a stats period) stands in when it has none, and the report's KV usage breaks ties.
+
+The policy itself is plain functions over :class:`Candidate` values, unit-tested without
+Ray; the two ``RequestRouter`` subclasses only translate Serve's objects into candidates.
+Deployments name a router by import path (``ROUTER_CLASSES``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping, Sequence
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from flotilla.serve.types import GenerateRequest, ReplicaLoad
+
+# How far the replica holding a prompt's prefix may be busier than the least-loaded
+# replica before prefix affinity gives way to load: it may hold up to
+# max(least + OVERLOAD_SLACK, least * OVERLOAD_FACTOR) requests. The absolute slack keeps
+# affinity at light load (a few extra requests cost less than recomputing a long prefix);
+# the factor keeps it proportional at heavy load.
+OVERLOAD_SLACK = 4
+OVERLOAD_FACTOR = 2.0
+# Prefix keys the prefix-affinity router remembers (where it sent each), newest kept.
+PREFIX_MEMORY_SIZE = 8192
+# An assignment Serve never confirmed (the request was cancelled before it was sent)
+# stops counting as load after this long.
+UNCONFIRMED_TTL_S = 5.0
+
+ROUTER_CLASSES = {
+    "least-loaded": "flotilla.serve.router.LeastLoadedRouter",
+    "prefix-affinity": "flotilla.serve.router.PrefixAffinityRouter",
+}
+
+
+def router_class_path(name: str) -> str:
+    """The import path Serve loads for router ``name`` (``--router``)."""
+    try:
+        return ROUTER_CLASSES[name]
+    except KeyError:
+        raise ValueError(f"router={name!r} is not a router; choose from {', '.join(ROUTER_CLASSES)}") from None
+
+
+# -- the policy (pure) -------------------------------------------------------------
+
+
+def load_from_stats(stats: Mapping[str, Any] | None) -> ReplicaLoad:
+    """A replica's reported load from its routing stats dict; a replica that has not
+    reported yet (``{}`` or None) counts as empty. Unknown keys are ignored."""
+    if not stats:
+        return ReplicaLoad()
+    return ReplicaLoad(
+        running=int(stats.get("running", 0) or 0),
+        waiting=int(stats.get("waiting", 0) or 0),
+        kv_usage=float(stats.get("kv_usage", 0.0) or 0.0),
+        max_queued=int(stats.get("max_queued", 0) or 0),
+        prefix_keys=tuple(stats.get("prefix_keys", ()) or ()),
+    )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the policy knows about one replica.
+
+    Attributes:
+        replica_id: the replica (any hashable id).
+        load: its last reported load.
+        in_flight: requests in flight to it as the router counts them now (Serve's
+            queue-length cache and the router's own assignments), or None when the router
+            has no fresh count.
+    """
+
+    replica_id: Hashable
+    load: ReplicaLoad = ReplicaLoad()
+    in_flight: int | None = None
+
+    @property
+    def effective_load(self) -> int:
+        """Requests it holds: the fresh in-flight count when there is one, else the
+        reported running + waiting.
+
+        NOTE: the report lags by up to a stats period plus Serve's broadcast; it goes
+        stale both ways (a burst the replica has not reported yet, requests that finished
+        since), so a fresh count wins whenever the router has one.
+        """
+        return self.load.load if self.in_flight is None else self.in_flight
+
+
+def _load_key(c: Candidate) -> tuple:
+    return (c.effective_load, c.load.kv_usage, c.load.load)
+
+
+def rank_least_loaded(candidates: Sequence[Candidate]) -> list[Hashable]:
+    """Replica ids, least loaded first: fewest requests held (:attr:`Candidate.effective_load`),
+    ties by reported KV usage, then by reported load. Full ties keep the input order."""
+    return [c.replica_id for c in sorted(candidates, key=_load_key)]
+
+
+def is_overloaded(
+    holder: Candidate,
+    least_load: int,
+    slack: int = OVERLOAD_SLACK,
+    factor: float = OVERLOAD_FACTOR,
+) -> bool:
+    """Whether ``holder`` is too busy to keep a prefix's requests: it holds more than
+    ``max(least_load + slack, least_load * factor)`` requests."""
+    return holder.effective_load > max(least_load + slack, least_load * factor)
+
+
+def rank_prefix_affine(
+    candidates: Sequence[Candidate],
+    prefix_key: int | None,
+    remembered: Hashable | None = None,
+    slack: int = OVERLOAD_SLACK,
+    factor: float = OVERLOAD_FACTOR,
+) -> list[Hashable]:
+    """Replica ids, best first, for a request whose prompt starts with ``prefix_key``.
+
+    The replicas holding the prefix are those whose reported ``prefix_keys`` contain it,
+    plus ``remembered`` (where the router last sent it). The least loaded of them goes
+    first unless it :func:`is_overloaded` against the least-loaded replica overall; the
+    rest follow in least-loaded order. Without a key or a holder: least-loaded order.
+    """
+    order = rank_least_loaded(candidates)
+    if prefix_key is None or not candidates:
+        return order
+    holders = [c for c in candidates if c.replica_id == remembered or prefix_key in c.load.prefix_keys]
+    if not holders:
+        return order
+    best = min(holders, key=_load_key)
+    least = min(c.effective_load for c in candidates)
+    if is_overloaded(best, least, slack, factor):
+        return order
+    return [best.replica_id] + [r for r in order if r != best.replica_id]
+
+
+class PrefixMemory:
+    """Where the router sent each prefix key: a bounded map, oldest entry dropped first."""
+
+    def __init__(self, capacity: int = PREFIX_MEMORY_SIZE):
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity} must be at least 1")
+        self.capacity = capacity
+        self._where: OrderedDict[int, Hashable] = OrderedDict()
+
+    def get(self, key: int | None) -> Hashable | None:
+        return None if key is None else self._where.get(key)
+
+    def remember(self, key: int | None, replica_id: Hashable) -> None:
+        if key is None:
+            return
+        self._where[key] = replica_id
+        self._where.move_to_end(key)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def forget(self, replica_id: Hashable) -> None:
+        """Drop every key sent to ``replica_id`` (it died; its cache is gone)."""
+        for key in [k for k, r in self._where.items() if r == replica_id]:
+            del self._where[key]
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+class InFlight:
+    """Requests this router has assigned to each replica and not yet seen complete.
+
+    A request counts from the moment it is ranked (:meth:`assign`), is confirmed when
+    Serve reports it accepted, and stops counting when Serve reports it complete. An
+    assignment never confirmed within ``ttl_s`` (cancelled while queued) is dropped.
+    """
+
+    def __init__(self, ttl_s: float = UNCONFIRMED_TTL_S, clock=time.monotonic):
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._where: dict[str, tuple[Hashable, bool, float]] = {}
+        self._counts: Counter = Counter()
+
+    def assign(self, request_id: str, replica_id: Hashable, confirmed: bool = False) -> None:
+        self.complete(request_id)
+        self._where[request_id] = (replica_id, confirmed, self._clock())
+        self._counts[replica_id] += 1
+
+    def complete(self, request_id: str) -> None:
+        entry = self._where.pop(request_id, None)
+        if entry is not None:
+            self._counts[entry[0]] -= 1
+            if self._counts[entry[0]] <= 0:
+                del self._counts[entry[0]]
+
+    def expire(self) -> None:
+        now = self._clock()
+        for request_id, (_, confirmed, since) in list(self._where.items()):
+            if not confirmed and now - since > self.ttl_s:
+                self.complete(request_id)
+
+    def forget_replica(self, replica_id: Hashable) -> None:
+        for request_id in [r for r, entry in self._where.items() if entry[0] == replica_id]:
+            self.complete(request_id)
+
+    def count(self, replica_id: Hashable) -> int:
+        return self._counts.get(replica_id, 0)
+
+
+def generate_request_of(pending: PendingRequest | None) -> GenerateRequest | None:
+    """The :class:`GenerateRequest` among a pending Serve request's arguments, if any."""
+    if pending is None:
+        return None
+    for value in list(pending.args) + list(pending.kwargs.values()):
+        if isinstance(value, GenerateRequest):
+            return value
+    return None
+
+
+# -- the Serve routers (thin shells) -----------------------------------------------------
+
+
+class LeastLoadedRouter(RequestRouter):
+    """Send each request to the replica holding the fewest requests (see
+    :func:`rank_least_loaded`). The default router of the engine deployment."""
+
+    def _ensure_state(self) -> None:
+        # NOTE: Serve calls initialize_state right after __init__; this covers direct use.
+        if not hasattr(self, "in_flight"):
+            self.initialize_state()
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        if kwargs:
+            raise ValueError(f"{type(self).__name__}: unknown request_router_kwargs {sorted(kwargs)}")
+        self.in_flight = InFlight()
+
+    def _candidate(self, replica: RunningReplica) -> Candidate:
+        cached = self.replica_queue_len_cache.get(replica.replica_id)  # None: stale or never seen
+        mine = self.in_flight.count(replica.replica_id)
+        fresh = None if cached is None and mine == 0 else max(cached or 0, mine)
+        return Candidate(replica.replica_id, load_from_stats(replica.routing_stats), fresh)
+
+    def _rank(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
+        return rank_least_loaded(candidates)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self._ensure_state()
+        self.in_flight.expire()
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        order = self._rank([self._candidate(r) for r in candidate_replicas], generate_request_of(pending_request))
+        if pending_request is not None and order:
+            self._assigned(pending_request, order[0], confirmed=False)
+            # NOTE: every candidate is ranked already, so when all are at
+            # max_ongoing_requests the next round is the same: let Serve back off.
+            pending_request.routing_context.should_backoff = True
+        return [[by_id[i]] for i in order]
+
+    def _assigned(self, pending: PendingRequest, replica_id: Hashable, confirmed: bool) -> None:
+        self.in_flight.assign(pending.metadata.internal_request_id, replica_id, confirmed)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._ensure_state()
+        self._assigned(pending_request, replica_id, confirmed=True)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self._ensure_state()
+        self.in_flight.complete(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ensure_state()
+        self.in_flight.forget_replica(replica_id)
+
+
+class PrefixAffinityRouter(LeastLoadedRouter):
+    """Send a request whose prompt prefix a replica already holds to that replica, unless
+    it is overloaded (see :func:`rank_prefix_affine`); otherwise least-loaded.
+
+    ``request_router_kwargs``: ``slack`` (default ``OVERLOAD_SLACK``), ``factor``
+    (``OVERLOAD_FACTOR``), ``memory_size`` (``PREFIX_MEMORY_SIZE``).
+    """
+
+    def initialize_state(
+        self,
+        slack: int = OVERLOAD_SLACK,
+        factor: float = OVERLOAD_FACTOR,
+        memory_size: int = PREFIX_MEMORY_SIZE,
+        **kwargs: Any,
+    ) -> None:
+        super().initialize_state(**kwargs)
+        self.slack = int(slack)
+        self.factor = float(factor)
+        self.memory = PrefixMemory(int(memory_size))
+
+    def _rank(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
+        key = None if request is None else request.prefix_key
+        return rank_prefix_affine(candidates, key, self.memory.get(key), self.slack, self.factor)
+
+    def _assigned(self, pending: PendingRequest, replica_id: Hashable, confirmed: bool) -> None:
+        super()._assigned(pending, replica_id, confirmed)
+        request = generate_request_of(pending)
+        if request is not None:
+            self.memory.remember(request.prefix_key, replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.memory.forget(replica_id)

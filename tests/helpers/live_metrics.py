@@ -1,0 +1,33 @@
+"""Reading a live server's ``/metrics`` in tests (Prometheus text, parsed)."""
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# Replicas push their metrics about once a second: checks poll for this long.
+METRICS_WAIT_S = 8.0
+
+
+def metrics(url: str) -> dict[str, dict[tuple, float]]:
+    """``GET /metrics`` as {sample name: {sorted label items: value}}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def total(m: dict, name: str, **labels) -> float:
+    return sum(v for k, v in m.get(name, {}).items() if all((key, val) in k for key, val in labels.items()))
+
+
+def wait_for(predicate, timeout_s: float = METRICS_WAIT_S, interval_s: float = 0.3):
+    """Poll ``predicate()`` until it returns a truthy value; return the last value."""
+    deadline = time.monotonic() + timeout_s
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        value = predicate()
+    return value
