@@ -323,3 +323,19 @@ def test_serve_engine_client_streams_cancels_and_maps_errors():
         with pytest.raises(expected, match=text) as info:
             asyncio.run(drain(ServeEngineClient(_FakeHandle([raised]))))
         assert "traceback" not in str(info.value)
+
+
+def test_n2_logprobs_seed_and_stop_over_http(client):
+    """The sampling features through the live server: two seeded completions repeat exactly,
+    each with logprobs; a stop string ends a completion before it."""
+    kwargs = dict(model="smollm2", messages=QUESTION, max_tokens=6, temperature=0.9, seed=7, n=2)
+    first = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
+    again = client.chat.completions.create(**kwargs)
+    assert len(first.choices) == 2
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    for choice in first.choices:
+        assert choice.logprobs.content and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    stopped = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0, stop=[" Paris"]
+    )
+    assert "Paris" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
