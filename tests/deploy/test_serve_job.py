@@ -70,6 +70,11 @@ def head_cluster():
         "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
         "--num-cpus=4", f"--temp-dir={temp_dir}",
+        # NOTE: the agents' fixed default ports (52365, ...) may be held by the test session's
+        # own Ray cluster; a head whose job agent cannot bind never accepts a job.
+        f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+        f"--ray-client-server-port={_free_port()}",
     ]  # fmt: skip
     log = open(Path(temp_dir) / "head.log", "wb")
     head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
