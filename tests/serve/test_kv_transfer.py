@@ -6,7 +6,6 @@ Equality is bit-exact: a transfer copies bytes, nothing is computed.
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 import uuid
@@ -96,21 +95,6 @@ class CacheHolder:
         return self.caches[size]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """Ray for this module: reused when the session already started it (tests/serve's
-    ``serve_http`` or tests/cluster's ``ray_cluster``), else started on loopback exactly
-    as tests/cluster/conftest.py does and stopped at module end."""
-    if ray.is_initialized():
-        yield
-        return
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
 def kinds_here() -> list[str]:
     return TRANSPORTS if nixl_available() else ["ray"]
 
@@ -131,7 +115,7 @@ def connect(src, dst, peer: str, sizes: tuple[str, ...]) -> list:
 
 
 @pytest.fixture(scope="module")
-def holders(ray_session):
+def holders(ray_cluster):
     """(source, destination, doomed): the destination knows the source as "prefill" and
     the doomed source (SMALL only; the peer-death test kills it) as "doomed".
 

@@ -23,11 +23,8 @@ from flotilla.cluster.engine.model_runner import ModelRunner  # noqa: E402
 from flotilla.cluster.engine.scheduler import SchedulerOutput  # noqa: E402
 from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
-from helpers.tiny_models import save_tiny_llama
-from helpers.prompts import random_prompts
 
 NEW_TOKENS = 32
-PROMPT_LENS = (5, 17, 40)
 FLAGS = {"max_total_tokens": 1024, "chunked_prefill_size": 16}
 DP_FLAGS = {"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -35,17 +32,9 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=NEW_TO
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-dp")
-    save_tiny_llama(path)
-    prompts = random_prompts(PROMPT_LENS, 256)
-    return str(path), prompts
-
-
-@pytest.fixture(scope="module")
-def outputs(ray_cluster, tiny_llama):
+def outputs(ray_cluster, tiny_llama_prompts):
     """Single-rank and DP-attention runs of the same requests, plus what the DP run saw."""
-    path, prompts = tiny_llama
+    path, prompts = tiny_llama_prompts
     results = {}
     for name, flags in (("single", {}), ("dp", DP_FLAGS)):
         llm = LLM(path, **FLAGS, **flags)
@@ -70,16 +59,16 @@ def resolve_cpu(path: str, **flags):
     return resolve(ServerArgs.create(model_path=path, **flags), facts, preset("cpu"))
 
 
-def test_resolver_accepts_dp_attention_on_cpu(tiny_llama):
-    config = resolve_cpu(tiny_llama[0], **FLAGS, **DP_FLAGS)
+def test_resolver_accepts_dp_attention_on_cpu(tiny_llama_prompts):
+    config = resolve_cpu(tiny_llama_prompts[0], **FLAGS, **DP_FLAGS)
     assert (config.tp_size, config.dp_size, config.enable_dp_attention) == (4, 2, True)
     assert config.chunked_prefill_size == 8  # the step budget is per DP rank
 
 
-def test_empty_step_runs_the_forward_on_one_rank(tiny_llama):
+def test_empty_step_runs_the_forward_on_one_rank(tiny_llama_prompts):
     """An empty part gives zero-length inputs and a zero-sequence batch; the forward runs
     (embedding, RMSNorm, RoPE, packed linears, attention) and nothing is sampled."""
-    path, _ = tiny_llama
+    path, _ = tiny_llama_prompts
     runner = ModelRunner(resolve_cpu(path, max_total_tokens=64), resolve_model_source(path))
     input_ids, positions, meta, sample_index = runner.prepare_inputs(SchedulerOutput())
     assert input_ids.shape == positions.shape == sample_index.shape == (0,)

@@ -9,27 +9,16 @@ pytest.importorskip("ray")
 
 from flotilla import LLM, SamplingParams  # noqa: E402
 from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
-from helpers.tiny_models import save_tiny_llama
-from helpers.prompts import random_prompts
 
 NEW_TOKENS = 32
-PROMPT_LENS = (5, 17, 40)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-tp")
-    save_tiny_llama(path)
-    prompts = random_prompts(PROMPT_LENS, 256)
-    return str(path), prompts
-
-
-@pytest.fixture(scope="module")
-def outputs(ray_cluster, tiny_llama):
+def outputs(ray_cluster, tiny_llama_prompts):
     """(tp=1 greedy, tp=1 seeded, tp=2 greedy, tp=2 seeded) token lists: one engine each."""
-    path, prompts = tiny_llama
+    path, prompts = tiny_llama_prompts
     results = []
     for flags in ({}, {"tp_size": 2}):
         llm = LLM(path, max_total_tokens=1024, **flags)
