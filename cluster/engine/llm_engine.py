@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -121,6 +121,8 @@ class LLMEngine:
         self._pending: list[CompletionDelta] = []
         self._backlog: dict[str, list[CompletionDelta]] = {}
         self._ids = itertools.count()
+        # Requests whose KV blocks outlive them (add_request(hold_kv=True)), until they finish.
+        self._hold_kv: set[str] = set()
         # Set when the runner failed (a worker died, a collective timed out): see restart().
         self.dead: EngineDeadError | None = None
 
@@ -133,15 +135,22 @@ class LLMEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         stream: bool = False,
+        hold_kv: bool = False,
     ) -> str:
         """Queue a request; returns its id. ValueError (naming the parameter) for bad input.
 
         ``stream=True`` keeps this request's deltas for :meth:`stream` while other
-        requests are being streamed.
+        requests are being streamed. ``hold_kv=True`` (prefill side of a KV handoff,
+        ``n == 1`` only) keeps the request's KV blocks when it finishes, until
+        :meth:`release_kv`; see :mod:`flotilla.cluster.engine.kv_handoff`.
         """
         if self.dead is not None:
             raise self.dead
         params = params or SamplingParams()
+        if hold_kv:
+            _require_handoff_support(self.scheduler)
+            if params.n != 1:
+                raise ValueError(f"hold_kv=True needs n=1 (got n={params.n}): one completion holds one prompt's KV")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._parents:
@@ -177,6 +186,8 @@ class LLMEngine:
             output.outputs.append(completion)
             self._sequences[request.request_id] = seq
         self._parents[request_id] = parent
+        if hold_kv:
+            self._hold_kv.add(request_id)
         return request_id
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -320,6 +331,8 @@ class LLMEngine:
             if seq.detokenizer is not None:
                 completion.text += seq.detokenizer.flush()
         if finish is not None:
+            if seq.request.request_id in self._hold_kv:
+                self.scheduler.hold_blocks(seq.request.request_id)
             self.scheduler.finish(seq.request.request_id, _FINISH_STATUS[finish])
             self._finish(seq, finish, stop_reason)
         visible = len(completion.text) if finish is not None else max(len(completion.text) - seq.holdback, seq.streamed_chars)
@@ -352,8 +365,90 @@ class LLMEngine:
         seq.completion.finish_reason = reason
         seq.completion.stop_reason = stop_reason
         del self._sequences[seq.request.request_id]
+        self._hold_kv.discard(seq.request.request_id)
         parent = seq.parent
         parent.output.finished = all(s.completion.finish_reason is not None for s in parent.sequences)
+
+    # -- KV handoff (prefill/decode disaggregation) ----------------------------------
+
+    def held_kv_blocks(self, request_id: str) -> list[int] | None:
+        """The KV block ids a finished ``hold_kv=True`` request left in the cache (its prompt's
+        KV, in position order), or None (not finished, not held, or already released)."""
+        return getattr(self.scheduler, "held_blocks", lambda _: None)(request_id)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the KV blocks held for ``request_id``; False when none are held."""
+        release = getattr(self.scheduler, "release_held_blocks", None)
+        return release is not None and release(request_id) is not None
+
+    def add_prefilled_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        src_block_ids: Sequence[int],
+        copy_blocks: Callable[[list[int], list[int]], None],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        stream: bool = False,
+        policy: str = "recompute",
+    ) -> str:
+        """Queue a request whose prompt was computed by another engine (decode side of a KV
+        handoff); returns its id. See :func:`flotilla.cluster.engine.kv_handoff.decode_prefilled`.
+
+        Allocates blocks for the prompt and calls ``copy_blocks(src, dst)`` to fill them from
+        the prefill engine's ``src_block_ids`` (blocks already in the local prefix cache are
+        skipped); then ``first_token`` is the completion's first token (its delta comes with
+        the next :meth:`step`) and the request decodes like any other. When the engine cannot
+        admit it now (other requests waiting, no free blocks) or, under ``policy="recompute"``,
+        ``copy_blocks`` raises, it becomes an ordinary request that computes its prompt here;
+        under ``policy="fail"`` a failed copy raises ``KVHandoffError`` and nothing is queued.
+        """
+        from flotilla.cluster.engine.kv_handoff import KVHandoffError, check_policy
+
+        check_policy(policy)
+        _require_handoff_support(self.scheduler)
+        params = params or SamplingParams()
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < self.vocab_size:
+            raise ValueError(f"first_token must be a token id in [0, {self.vocab_size}) (got first_token={first_token!r})")
+        if params.n != 1 or params.logprobs is not None:
+            raise NotImplementedError(
+                f"a prefilled request takes n=1 and no logprobs (got n={params.n}, logprobs={params.logprobs}); "
+                "send such requests to a colocated engine"
+            )
+        src = [int(b) for b in src_block_ids]
+        if len(src) < self.scheduler.pool.blocks_for_tokens(len(prompt_token_ids)):
+            raise ValueError(
+                f"src_block_ids: {len(src)} blocks cannot hold a {len(prompt_token_ids)}-token prompt "
+                f"(block size {self.scheduler.pool.block_size}); pass the prefill engine's blocks of this prompt"
+            )
+        request_id = self.add_request(prompt_token_ids, params, request_id, prompt, stream)
+        admitted = self.scheduler.admit_prefilled(request_id, first_token)
+        if admitted is None:
+            return request_id
+        dst, num_cached = admitted
+        try:
+            copy_blocks(src[num_cached : len(dst)], dst[num_cached:])
+        except Exception as exc:  # noqa: BLE001 - any copy failure goes through the policy
+            self._forget(request_id)
+            if policy == "fail":
+                raise KVHandoffError(
+                    f"request {request_id!r}: copying {len(dst) - num_cached} KV blocks failed "
+                    f"({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
+                ) from exc
+            return self.add_request(prompt_token_ids, params, request_id, prompt, stream)
+        self.scheduler.commit_prefilled(request_id)
+        delta = self._update(self._sequences[request_id], SampledToken(int(first_token)))
+        self._keep_for_stream(delta)
+        self._pending.append(delta)
+        return request_id
+
+    def _forget(self, request_id: str) -> None:
+        """Drop an ``n == 1`` request without a trace (frees its blocks)."""
+        self.scheduler.abort(request_id)
+        self._sequences.pop(request_id, None)
+        self._parents.pop(request_id, None)
+        self._backlog.pop(request_id, None)
 
     # -- streaming -----------------------------------------------------------------
 
@@ -391,6 +486,14 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": pool.usage,
         }
+
+
+def _require_handoff_support(scheduler: Any) -> None:
+    if not hasattr(scheduler, "admit_prefilled"):
+        raise NotImplementedError(
+            f"KV handoff needs a single-pool scheduler ({type(scheduler).__name__} does not support it); "
+            "turn DP attention off on prefill/decode engines"
+        )
 
 
 def _build_runner(config: ResolvedConfig, source: ModelSource) -> Any:

@@ -148,6 +148,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._next_arrival = 0
         self.num_preemptions = 0
+        # Block references kept past their request's end (hold_blocks), by request id.
+        self._held: dict[str, list[int]] = {}
 
     # ---- queries -------------------------------------------------------------
 
@@ -221,6 +223,83 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request; its blocks are free on return."""
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- KV handoff (prefill/decode disaggregation) ------------------------------
+
+    def hold_blocks(self, request_id: str) -> list[int]:
+        """Take over a live request's block references before it is finished, so
+        :meth:`finish` leaves its KV in the cache (a prefill engine keeps a prompt's
+        KV for a decode engine to copy). Returns the block ids, in position order.
+
+        NOTE: the references stay counted (cached prefix blocks stay shared and
+        cannot be evicted) until :meth:`release_held_blocks`.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            raise ValueError(f"request_id {request_id!r} is not live; hold its blocks before finishing it")
+        if request_id in self._held:
+            raise ValueError(f"request_id {request_id!r} already holds blocks; release them first")
+        self._held[request_id], request.block_ids = request.block_ids, []
+        return list(self._held[request_id])
+
+    def held_blocks(self, request_id: str) -> list[int] | None:
+        """The block ids held for ``request_id`` by :meth:`hold_blocks`, or None."""
+        held = self._held.get(request_id)
+        return None if held is None else list(held)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Block references held by :meth:`hold_blocks` and not released yet."""
+        return sum(len(blocks) for blocks in self._held.values())
+
+    def release_held_blocks(self, request_id: str) -> list[int] | None:
+        """Drop the references :meth:`hold_blocks` took for ``request_id``; returns the
+        block ids, or None when nothing is held under that id (already released)."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is not None:
+            self.pool.free(blocks)
+        return blocks
+
+    def admit_prefilled(self, request_id: str, first_token: int) -> tuple[list[int], int] | None:
+        """Admit the waiting request ``request_id`` with its prompt's KV coming from
+        elsewhere (a prefill engine): allocate blocks for the prompt, count the prompt as
+        computed and append ``first_token`` (sampled by the prefill engine) as its first
+        output, so its next step is a decode.
+
+        Returns ``(block_ids, num_cached_blocks)``: the first ``num_cached_blocks`` came
+        from the local prefix cache and already hold the right KV; the caller must fill
+        the rest, then call :meth:`commit_prefilled` (or :meth:`finish` on failure).
+        Returns None, leaving the request waiting as an ordinary request that will
+        compute its prompt itself, when it cannot be admitted now: it is not the only
+        waiting request (NOTE: admitting it would jump the FCFS queue), the running set
+        is full, or the pool is short of blocks.
+        """
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request_id {request_id!r} is not a fresh waiting request; add() it first")
+        if list(self.waiting) != [request] or len(self.running) >= self.config.max_num_seqs:
+            return None
+        prompt_len = request.num_prompt_tokens
+        cached_blocks, num_cached = self.pool.match_prefix(request.prompt_token_ids, request.block_hashes)
+        needed = self.pool.blocks_for_tokens(prompt_len) - len(cached_blocks)
+        if not self.pool.can_allocate(needed, cached_blocks):
+            return None
+        self.waiting.popleft()
+        self.pool.touch(cached_blocks)
+        request.block_ids = cached_blocks + self.pool.allocate(needed)
+        request.num_committed_blocks = len(cached_blocks)
+        request.num_computed_tokens = prompt_len
+        request.num_cached_prompt_tokens = num_cached
+        self.pool.record_prefix_query(prompt_len, num_cached)
+        request.append_output_token(int(first_token))
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return list(request.block_ids), len(cached_blocks)
+
+    def commit_prefilled(self, request_id: str) -> None:
+        """The KV of an :meth:`admit_prefilled` request is in place: offer its full
+        prompt blocks to the prefix cache."""
+        self.pool.commit_full_blocks(self._requests[request_id])
 
     # ---- the step ----------------------------------------------------------------
 
@@ -350,4 +429,7 @@ class Scheduler:
         assert order == sorted(order), f"queues out of arrival order: {order}"
         assert len(self.running) <= self.config.max_num_seqs
         assert set(self._requests) == {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        for blocks in self._held.values():
+            for block in blocks:
+                refs[block] = refs.get(block, 0) + 1
         self.pool.check_invariants(refs)

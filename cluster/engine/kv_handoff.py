@@ -1,0 +1,186 @@
+"""The engine side of a prefill/decode KV handoff, in one process and without Ray.
+
+A prefill engine computes a prompt's KV and its first token and keeps the KV blocks
+(:func:`prefill`); a decode engine allocates blocks for the prompt, has the prefill
+blocks copied into them, takes the first token as its first output and decodes on
+(:func:`decode_prefilled`); the prefill side then frees its blocks
+(:func:`release_prefill`). :func:`handoff` does all three.
+
+How blocks move is the caller's: a ``copy_blocks(src_block_ids, dst_block_ids)``
+callable fills decode blocks ``dst[i]`` (every layer, every cache tensor) from prefill
+blocks ``src[i]``. :func:`tensor_block_copier` copies between two caches of this
+process; :func:`transport_block_copier` wraps any object with a
+``read(peer, src_block_ids, dst_block_ids, timeout_s)`` method (``serve.kv_transfer``'s
+transports; NOTE: duck-typed, so ``cluster/`` never imports ``serve``).
+
+Failure policy (vLLM's ``kv_load_failure_policy``): ``"recompute"`` turns a request
+whose copy failed into an ordinary request that computes its prompt on the decode
+engine (the caller sees no error); ``"fail"`` raises :class:`KVHandoffError` and
+queues nothing. Either way no block is leaked on the decode side, and the prefill
+side's blocks are freed by :func:`release_prefill` (``handoff`` always calls it).
+
+Greedy decoding gives the colocated engine's tokens: the prompt's KV and the first
+token are the ones the colocated engine would compute. Seeded random sampling does
+not carry the generator's state across engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from flotilla.cluster.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from flotilla.cluster.engine.llm_engine import LLMEngine
+
+# What a decode engine does when the prompt's KV cannot be copied in.
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+CopyBlocks = Callable[[list[int], list[int]], None]
+
+
+class KVHandoffError(RuntimeError):
+    """A prompt's KV could not be loaded on the decode engine under ``policy="fail"``."""
+
+
+def check_policy(policy: str) -> None:
+    if policy not in KV_LOAD_FAILURE_POLICIES:
+        raise ValueError(f"policy must be one of {KV_LOAD_FAILURE_POLICIES} (got policy={policy!r})")
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A computed prompt held in a prefill engine's KV cache.
+
+    Attributes:
+        request_id: the prefill engine's id for it (release its blocks under this id).
+        prompt_token_ids: the prompt.
+        first_token: the token sampled after the prompt.
+        block_ids: the prefill engine's blocks holding the prompt's KV, in position order
+            (empty when the request ended without holding any, e.g. aborted).
+        num_tokens: tokens whose KV the blocks hold (the prompt's length).
+        finish_reason: the prefill completion's reason: ``"length"`` normally,
+            ``"stop"`` when the first token already ends the completion (nothing to decode).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    block_ids: list[int]
+    num_tokens: int
+    finish_reason: str | None
+
+
+def prefill(
+    engine: "LLMEngine",
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams | None = None,
+    request_id: str | None = None,
+) -> PrefillResult:
+    """Compute ``prompt_token_ids`` on ``engine`` and sample one token, keeping the KV.
+
+    ``params`` are the request's sampling parameters (``max_tokens`` is replaced by 1).
+    Steps the engine until this request finishes (other requests advance too; their deltas
+    are not returned here, read them with ``get_output``). The blocks stay held until
+    :func:`release_prefill`.
+    """
+    params = replace(params or SamplingParams(), max_tokens=1)
+    request_id = engine.add_request(prompt_token_ids, params, request_id, hold_kv=True)
+    while not engine.get_output(request_id).finished:
+        engine.step()
+    output = engine.pop_output(request_id)
+    completion = output.outputs[0]
+    if completion.finish_reason not in ("length", "stop"):
+        engine.release_kv(request_id)
+        raise KVHandoffError(
+            f"prefill of request {request_id!r} ended with {completion.finish_reason!r}: {output.error or 'no token'}"
+        )
+    blocks = engine.held_kv_blocks(request_id) or []
+    return PrefillResult(
+        request_id, list(output.prompt_token_ids), completion.token_ids[0], blocks, len(output.prompt_token_ids), completion.finish_reason
+    )
+
+
+def release_prefill(engine: "LLMEngine", result: PrefillResult) -> bool:
+    """Free the prefill engine's blocks of ``result``; False when already released."""
+    return engine.release_kv(result.request_id)
+
+
+def decode_prefilled(
+    engine: "LLMEngine",
+    result: PrefillResult,
+    copy_blocks: CopyBlocks,
+    params: SamplingParams | None = None,
+    request_id: str | None = None,
+    policy: str = "recompute",
+    stream: bool = False,
+) -> str:
+    """Queue ``result``'s request on the decode ``engine`` (see
+    ``LLMEngine.add_prefilled_request``); returns the decode engine's request id.
+    The caller releases the prefill blocks afterwards, whatever happened."""
+    return engine.add_prefilled_request(
+        result.prompt_token_ids,
+        result.first_token,
+        result.block_ids,
+        copy_blocks,
+        params,
+        request_id=request_id,
+        stream=stream,
+        policy=policy,
+    )
+
+
+def handoff(
+    prefill_engine: "LLMEngine",
+    decode_engine: "LLMEngine",
+    prompt_token_ids: Sequence[int],
+    copy_blocks: CopyBlocks,
+    params: SamplingParams | None = None,
+    request_id: str | None = None,
+    policy: str = "recompute",
+) -> tuple[PrefillResult, str]:
+    """Prefill on ``prefill_engine``, queue the decode on ``decode_engine``, release the
+    prefill blocks (also when the decode side raised). Returns the prefill result and the
+    decode engine's request id; step ``decode_engine`` to get the rest of the tokens."""
+    check_policy(policy)
+    result = prefill(prefill_engine, prompt_token_ids, params, request_id)
+    try:
+        return result, decode_prefilled(decode_engine, result, copy_blocks, params, request_id, policy)
+    finally:
+        release_prefill(prefill_engine, result)
+
+
+def tensor_block_copier(src_caches: Sequence[Sequence[torch.Tensor]], dst_caches: Sequence[Sequence[torch.Tensor]]) -> CopyBlocks:
+    """``copy_blocks`` between two KV caches of this process (``ModelRunner.kv_caches``:
+    per layer, tensors shaped ``[num_blocks, block_size, ...]``; same layers and shapes)."""
+    src_regions = [t for layer in src_caches for t in layer]
+    dst_regions = [t for layer in dst_caches for t in layer]
+    if len(src_regions) != len(dst_regions) or any(s.shape[1:] != d.shape[1:] for s, d in zip(src_regions, dst_regions)):
+        raise ValueError("src_caches and dst_caches must hold the same layers with the same block shapes")
+
+    def copy_blocks(src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        # NOTE: the caches are inference tensors; writing them needs inference mode.
+        with torch.inference_mode():
+            _copy(src, dst)
+
+    def _copy(src: list[int], dst: list[int]) -> None:
+        for s, d in zip(src_regions, dst_regions):
+            index = torch.tensor(dst, dtype=torch.long, device=d.device)
+            d.index_copy_(0, index, s[torch.tensor(src, dtype=torch.long, device=s.device)].to(d.device))
+
+    return copy_blocks
+
+
+def transport_block_copier(transport: Any, peer_name: str, timeout_s: float = 30.0) -> CopyBlocks:
+    """``copy_blocks`` by ``transport.read(peer_name, src, dst, timeout_s)`` (a connected
+    ``KVTransport`` on the decode side; any object with that method)."""
+
+    def copy_blocks(src: list[int], dst: list[int]) -> None:
+        transport.read(peer_name, src, dst, timeout_s)
+
+    return copy_blocks

@@ -1,0 +1,279 @@
+"""Prefill/decode KV handoff between two in-process engines (no Ray): the decode
+engine's greedy tokens equal a colocated engine's, the prefill engine's blocks are
+freed after the copy, and a failed copy is recomputed or raised without leaking blocks.
+
+Exact token equality needs no tolerance: the tiny Llama's logits are spread far above
+float32 summation noise (see ``save_tiny_llama``), and the copied KV is bit-identical to
+what the colocated engine computes (the same model and kernels on the same device).
+"""
+
+import uuid
+
+import pytest
+
+from flotilla.cluster.engine.kv_handoff import (
+    KVHandoffError,
+    decode_prefilled,
+    handoff,
+    prefill,
+    release_prefill,
+    tensor_block_copier,
+    transport_block_copier,
+)
+from flotilla.cluster.engine.llm_engine import LLMEngine
+from flotilla.cluster.engine.request import Request, RequestStatus
+from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+BLOCK = 16
+
+
+def make_engine(path, **flags):
+    source = resolve_model_source(path)
+    args = ServerArgs.create(model_path=str(source.path), max_total_tokens=512, **flags)
+    config = resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu"))
+    engine = LLMEngine(config, source)
+    assert engine.runner.kv_layout.block_size == BLOCK
+    return engine
+
+
+def finish(engine, request_id):
+    while not engine.get_output(request_id).finished:
+        engine.step()
+    return engine.pop_output(request_id).outputs[0].token_ids
+
+
+def record_steps(engine):
+    """Wrap ``engine.runner.execute`` to record each step's ``num_new_tokens`` per request."""
+    steps, execute = [], engine.runner.execute
+
+    def recording(step, rows):
+        steps.append([item.num_new_tokens for item in step.scheduled])
+        return execute(step, rows)
+
+    engine.runner.execute = recording
+    return steps
+
+
+def assert_no_leaks(engine):
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.pool.num_used_blocks == 0
+    assert engine.scheduler.num_held_blocks == 0
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_prompts):
+    path, prompts = tiny_llama_prompts
+    colocated = make_engine(path)
+    expected = [finish(colocated, colocated.add_request(p, GREEDY)) for p in prompts]
+    return path, prompts, expected
+
+
+def test_decode_after_a_tensor_copy_gives_the_colocated_tokens(engines):
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    steps = record_steps(decoder)
+    copy = tensor_block_copier(prefiller.runner.kv_caches, decoder.runner.kv_caches)
+    for prompt, want in zip(prompts, expected):
+        result, decode_id = handoff(prefiller, decoder, prompt, copy, GREEDY)
+        assert result.num_tokens == len(prompt) and len(result.block_ids) == -(-len(prompt) // BLOCK)
+        assert result.first_token == want[0]
+        # Released: only free prefix-cache blocks are left on the prefill side.
+        assert_no_leaks(prefiller)
+        assert finish(decoder, decode_id) == want
+        assert_no_leaks(decoder)
+    # The decode engine never computed a prompt: every step decodes one token.
+    assert steps and all(counts == [1] for counts in steps)
+
+
+def test_the_copied_kv_is_what_the_decode_uses(engines):
+    """Negative control: a copy that moves nothing leaves the fresh (zero) cache in place,
+    and the 40-token prompt's continuation changes, so the test above can fail."""
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    _, decode_id = handoff(prefiller, decoder, prompts[2], lambda src, dst: None, GREEDY)
+    tokens = finish(decoder, decode_id)
+    assert tokens[0] == expected[2][0] and tokens != expected[2]
+
+
+def test_prefix_cached_blocks_are_not_copied_again(engines):
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    tensor_copy = tensor_block_copier(prefiller.runner.kv_caches, decoder.runner.kv_caches)
+    copied = []
+
+    def copy(src, dst):
+        copied.append(len(dst))
+        tensor_copy(src, dst)
+
+    for _ in range(2):
+        _, decode_id = handoff(prefiller, decoder, prompts[2], copy, GREEDY)
+        assert finish(decoder, decode_id) == expected[2]
+    # 40 tokens = 3 blocks; the second time the 2 full blocks come from the decode prefix cache.
+    assert copied == [3, 1]
+    assert_no_leaks(prefiller)
+    assert_no_leaks(decoder)
+
+
+def test_decode_through_an_in_process_nixl_transport(engines, monkeypatch):
+    path, prompts, expected = engines
+    try:
+        from flotilla.serve.kv_transfer import NixlTransport, nixl_available
+    except ImportError as exc:  # pragma: no cover - serve extras missing
+        pytest.skip(f"flotilla.serve.kv_transfer does not import: {exc}")
+    if not nixl_available():
+        pytest.skip("nixl._api does not import here (package nixl not installed)")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    prefiller, decoder = make_engine(path), make_engine(path)
+    tag = uuid.uuid4().hex[:8]
+    source, sink = NixlTransport(f"prefill-{tag}"), NixlTransport(f"decode-{tag}")
+    try:
+        source.register(prefiller.runner.kv_caches)
+        sink.register(decoder.runner.kv_caches)
+        sink.connect("prefill", source.metadata())
+        copy = transport_block_copier(sink, "prefill", timeout_s=10.0)
+        for prompt, want in zip(prompts, expected):
+            _, decode_id = handoff(prefiller, decoder, prompt, copy, GREEDY)
+            assert finish(decoder, decode_id) == want
+        # The transport's injected failure goes through the recompute policy.
+        sink.fail_next_reads = 1
+        _, decode_id = handoff(prefiller, decoder, prompts[1], copy, GREEDY)
+        assert sink.fail_next_reads == 0 and finish(decoder, decode_id) == expected[1]
+    finally:
+        sink.close()
+        source.close()
+    assert_no_leaks(prefiller)
+    assert_no_leaks(decoder)
+
+
+def failing_copy(src, dst):
+    raise OSError("link down")
+
+
+def test_a_failed_copy_is_recomputed_under_the_recompute_policy(engines):
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    steps = record_steps(decoder)
+    for prompt, want in zip(prompts, expected):
+        _, decode_id = handoff(prefiller, decoder, prompt, failing_copy, GREEDY, policy="recompute")
+        assert_no_leaks(prefiller)
+        output = finish(decoder, decode_id)
+        assert output == want
+        assert_no_leaks(decoder)
+    # The prompts were computed on the decode engine.
+    assert [counts for counts in steps if counts != [1]] == [[len(p)] for p in prompts]
+
+
+def test_a_failed_copy_raises_under_the_fail_policy_and_leaks_nothing(engines):
+    path, prompts, _ = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    for prompt in prompts:
+        with pytest.raises(KVHandoffError, match="OSError: link down.*'fail'"):
+            handoff(prefiller, decoder, prompt, failing_copy, GREEDY, request_id="r", policy="fail")
+        assert_no_leaks(prefiller)
+        assert_no_leaks(decoder)
+    # The failed id is free for reuse on both sides.
+    assert finish(decoder, decoder.add_request(prompts[0], GREEDY, request_id="r"))
+
+
+def test_a_busy_decode_engine_computes_the_prompt_itself(engines):
+    """A prefilled request never jumps the decode engine's FCFS queue: with another
+    request waiting, it is queued as an ordinary request (and still gives the same tokens)."""
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    copied = []
+    first = decoder.add_request(prompts[0], GREEDY)
+    _, decode_id = handoff(prefiller, decoder, prompts[2], lambda s, d: copied.append(d), GREEDY)
+    assert copied == []
+    assert finish(decoder, decode_id) == expected[2]
+    assert finish(decoder, first) == expected[0]
+    assert_no_leaks(decoder)
+    assert_no_leaks(prefiller)
+
+
+def test_a_streamed_handoff_yields_the_first_token_then_the_decode(engines):
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    result = prefill(prefiller, prompts[1], GREEDY)
+    copy = tensor_block_copier(prefiller.runner.kv_caches, decoder.runner.kv_caches)
+    decode_id = decode_prefilled(decoder, result, copy, GREEDY, stream=True)
+    release_prefill(prefiller, result)
+    deltas = list(decoder.stream(decode_id))
+    assert deltas[0].token_ids == [expected[1][0]]
+    assert [t for d in deltas for t in d.token_ids] == expected[1] and deltas[-1].finish_reason == "length"
+    assert_no_leaks(decoder)
+    assert_no_leaks(prefiller)
+
+
+def test_prefill_keeps_blocks_until_released(engines):
+    path, prompts, _ = engines
+    prefiller = make_engine(path)
+    result = prefill(prefiller, prompts[1], GREEDY)
+    assert prefiller.scheduler.pool.num_used_blocks == len(result.block_ids) == 2
+    assert prefiller.held_kv_blocks(result.request_id) == result.block_ids
+    prefiller.scheduler.check_invariants()
+    assert release_prefill(prefiller, result) and not release_prefill(prefiller, result)
+    assert prefiller.held_kv_blocks(result.request_id) is None
+    assert_no_leaks(prefiller)
+
+
+def test_bad_handoff_arguments_are_refused(engines):
+    path, prompts, _ = engines
+    decoder = make_engine(path)
+    with pytest.raises(ValueError, match="policy"):
+        decoder.add_prefilled_request(prompts[0], 5, [0], failing_copy, GREEDY, policy="retry")
+    with pytest.raises(ValueError, match="first_token"):
+        decoder.add_prefilled_request(prompts[0], 999, [0], failing_copy, GREEDY)
+    with pytest.raises(NotImplementedError, match="n=1"):
+        decoder.add_prefilled_request(prompts[0], 5, [0], failing_copy, SamplingParams(n=2, max_tokens=4))
+    with pytest.raises(ValueError, match="src_block_ids: 2 blocks"):
+        decoder.add_prefilled_request(prompts[2], 5, [0, 1], failing_copy, GREEDY)
+    with pytest.raises(ValueError, match="hold_kv=True needs n=1"):
+        decoder.add_request(prompts[0], SamplingParams(n=2, max_tokens=1), hold_kv=True)
+    assert_no_leaks(decoder)
+
+
+# ---- scheduler bookkeeping with fake blocks (no model) --------------------------------
+
+
+def test_scheduler_hold_and_release_keep_reference_counts_right():
+    scheduler = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    request = Request("a", list(range(10)), max_tokens=1)
+    scheduler.add(request)
+    step = scheduler.schedule()
+    scheduler.update(step, {"a": 99})
+    held = scheduler.hold_blocks("a")
+    scheduler.finish("a", RequestStatus.FINISHED_LENGTH)
+    assert len(held) == 3 and scheduler.pool.num_used_blocks == 3 and scheduler.num_held_blocks == 3
+    scheduler.check_invariants()
+    # A new request sharing the prefix takes the held full blocks as cached blocks.
+    other = Request("b", list(range(10)), max_tokens=1)
+    scheduler.add(other)
+    scheduler.schedule()
+    assert other.block_ids[:2] == held[:2] and scheduler.pool.ref_count(held[0]) == 2
+    assert scheduler.release_held_blocks("a") == held and scheduler.release_held_blocks("a") is None
+    scheduler.check_invariants()
+
+
+def test_scheduler_admit_prefilled_counts_the_prompt_as_computed():
+    scheduler = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    scheduler.add(Request("a", list(range(10)), max_tokens=4))
+    blocks, num_cached = scheduler.admit_prefilled("a", 7)
+    request = scheduler.get("a")
+    assert (len(blocks), num_cached) == (3, 0)
+    assert request.num_computed_tokens == 10 and request.output_token_ids == [7]
+    scheduler.commit_prefilled("a")
+    step = scheduler.schedule()
+    assert [(s.num_new_tokens, s.start_position) for s in step.scheduled] == [(1, 10)]
+    scheduler.check_invariants()
+    # A second request waits behind a waiting one: not admitted, stays an ordinary request.
+    scheduler.add(Request("b", [1, 2], max_tokens=1))
+    scheduler.add(Request("c", [3, 4], max_tokens=1))
+    assert scheduler.admit_prefilled("c", 5) is None and scheduler.get("c").status is RequestStatus.WAITING
+    with pytest.raises(ValueError, match="fresh waiting request"):
+        scheduler.admit_prefilled("a", 7)
+    scheduler.check_invariants()
