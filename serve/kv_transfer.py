@@ -216,17 +216,6 @@ class KVTransport(abc.ABC):
 # NIXL
 
 
-def nixl_available() -> bool:
-    """Whether NIXL's Python API imports here."""
-    import importlib
-
-    try:
-        importlib.import_module("nixl._api")
-    except ImportError:
-        return False
-    return True
-
-
 class NixlTransport(KVTransport):
     """KV transfer by NIXL READs over UCX (one agent per rank).
 

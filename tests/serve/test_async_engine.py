@@ -14,7 +14,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.sampling_params import SamplingParams
@@ -25,6 +24,7 @@ from flotilla.serve.engine_replica import EngineReplica
 from flotilla.serve.types import EngineOverloadedError, EngineUnavailableError, GenerateRequest, ServeOptions
 from helpers.prompts import random_prompts
 from helpers.tiny_models import save_tiny_llama
+from helpers.torch_threads import one_intra_op_thread
 
 VOCAB = 256
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -32,13 +32,9 @@ WAIT_S = 10.0
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny models are bound by per-op overhead; two intra-op threads on a busy 2-core box
-    spin against each other (as in tests/cluster/engine/test_llm.py)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def one_thread():
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

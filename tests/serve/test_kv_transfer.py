@@ -19,7 +19,6 @@ from flotilla.serve.kv_transfer import (
     NixlTransport,
     RayObjectTransport,
     block_runs,
-    nixl_available,
 )
 
 ray = pytest.importorskip("ray")
@@ -95,23 +94,14 @@ class CacheHolder:
         return self.caches[size]
 
 
-def kinds_here() -> list[str]:
-    return TRANSPORTS if nixl_available() else ["ray"]
-
-
-def require(kind: str) -> None:
-    if kind not in kinds_here():
-        pytest.skip("nixl._api does not import here (package nixl==1.5.1 not installed)")
-
-
 def start_holder(role: str, seed: int, sizes: tuple[str, ...] = ("small", "large")):
-    return CacheHolder.remote(f"{role}-{uuid.uuid4().hex[:8]}-rank0", seed, kinds_here(), sizes)
+    return CacheHolder.remote(f"{role}-{uuid.uuid4().hex[:8]}-rank0", seed, TRANSPORTS, sizes)
 
 
 def connect(src, dst, peer: str, sizes: tuple[str, ...]) -> list:
     """Every transport of ``dst`` learns ``src`` as ``peer``; metadata crosses through
     Ray (an actor call's result passed to another actor call). Returns the refs."""
-    return [dst.connect.remote(kind, size, peer, src.metadata.remote(kind, size)) for kind in kinds_here() for size in sizes]
+    return [dst.connect.remote(kind, size, peer, src.metadata.remote(kind, size)) for kind in TRANSPORTS for size in sizes]
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +119,6 @@ def holders(ray_cluster):
 
 @pytest.fixture(params=TRANSPORTS)
 def kind(request):
-    require(request.param)
     return request.param
 
 
@@ -172,18 +161,17 @@ def test_read_after_peer_died_raises_within_timeout(holders):
     KVTransferError. The bound: the transport's timeout is 5 s and the driver's guard
     30 s; both transports in fact fail at once (NIXL: NIXL_ERR_REMOTE_DISCONNECT)."""
     _, dst, doomed = holders
-    for kind in kinds_here():
+    for kind in TRANSPORTS:
         ray.get(dst.read.remote(kind, "small", "doomed", [1], [15], 5.0), timeout=30)  # the connection is up
     ray.kill(doomed, no_restart=True)
     time.sleep(0.5)
-    for kind in kinds_here():
+    for kind in TRANSPORTS:
         with pytest.raises(KVTransferError):
             ray.get(dst.read.remote(kind, "small", "doomed", [2, 3], [14, 13], 5.0), timeout=30)
 
 
 def test_api_misuse_is_refused_in_process():
     """Two NIXL agents in this process (no Ray): the checks made before any transfer."""
-    require("nixl")
     a, b = NixlTransport(f"api-a-{uuid.uuid4().hex[:8]}"), NixlTransport(f"api-b-{uuid.uuid4().hex[:8]}")
     cache_a, cache_b = make_cache(seed=1, **SMALL), make_cache(seed=2, **SMALL)
     with pytest.raises(ValueError, match="register"):
@@ -241,7 +229,7 @@ def test_bandwidth_64_mib(holders, capsys):
     total = LARGE["num_layers"] * 2 * LARGE["num_blocks"] * int(torch.Size(LARGE["block_shape"]).numel()) * 4
     assert total == 64 * 2**20
     ids = list(range(LARGE["num_blocks"]))
-    for kind in kinds_here():
+    for kind in TRANSPORTS:
         ray.get(dst.read.remote(kind, "large", "prefill", [0], [0], 30.0), timeout=60)
         seconds = ray.get(dst.read.remote(kind, "large", "prefill", ids, ids, 30.0), timeout=60)
         assert torch.equal(ray.get(dst.cache.remote("large"))[1][0], ray.get(src.cache.remote("large"))[1][0])

@@ -15,19 +15,16 @@ import torch
 
 from flotilla import LLM, SamplingParams
 from helpers.tiny_models import save_tiny_llama
+from helpers.torch_threads import one_intra_op_thread
 
 NEW_TOKENS = 40
 PROMPT_LENS = (5, 17, 33, 60)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny models are bound by per-op overhead; on a busy 2-core machine two intra-op
-    threads spin against each other, so the tiny-model tests run on one."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def one_thread():
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

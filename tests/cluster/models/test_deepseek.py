@@ -20,6 +20,7 @@ from flotilla.cluster.models.base import ModelConfig
 from flotilla.cluster.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from flotilla.cluster.models.loader import iter_hf_weights
 from helpers.paged import PagedRunner
+from helpers.torch_threads import one_intra_op_thread
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -69,13 +70,9 @@ CASES = {
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Tiny models are bound by per-op overhead; on a busy 2-core machine two intra-op
-    threads spin against each other (we measured 50x slower steps), so run on one."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def one_thread():
+    with one_intra_op_thread():
+        yield
 
 
 # --------------------------------------------------------------------------- paged-step helper
