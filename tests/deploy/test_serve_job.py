@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-START_TIMEOUT_S = 90
+START_TIMEOUT_S = 150
+HEAD_START_ATTEMPTS = 2
 # The job agent can come up well after the dashboard on a busy 2-core machine.
 AGENT_TIMEOUT_S = 180
 JOB_TIMEOUT_S = 240
@@ -52,18 +53,8 @@ def _wait_http(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s}s")
 
 
-@pytest.fixture
-def head_cluster():
-    """A ``ray start --head`` cluster on loopback; yields its dashboard (job server) address."""
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "GLOO_SOCKET_IFNAME": "lo",
-    }
-    env.pop("RAY_ADDRESS", None)
-    # NOTE: a short temp dir: Ray's unix socket paths must stay under ~107 characters.
-    temp_dir = tempfile.mkdtemp(prefix="fj", dir="/tmp")
+def _start_head(env: dict, temp_dir: str) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``ray start --head --block`` on fresh loopback ports; returns (process, dashboard URL, log)."""
     dashboard_port = _free_port()
     command = [
         str(BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats",
@@ -76,24 +67,75 @@ def head_cluster():
         f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
         f"--ray-client-server-port={_free_port()}",
     ]  # fmt: skip
-    log = open(Path(temp_dir) / "head.log", "wb")
-    head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard_port}"
+    log_path = Path(temp_dir) / "head.log"
+    with open(log_path, "wb") as log:
+        head = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return head, f"http://127.0.0.1:{dashboard_port}", log_path
+
+
+def _stop_head(head: subprocess.Popen) -> None:
     try:
-        _wait_http(f"{address}/api/version", START_TIMEOUT_S)
+        os.killpg(head.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+
+
+def _wait_head(head: subprocess.Popen, address: str, log_path: Path, timeout_s: float) -> None:
+    """Wait for the dashboard to answer; fail fast (with the head's log) if ``ray start`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            break
+        try:
+            _wait_http(f"{address}/api/version", min(5.0, max(deadline - time.monotonic(), 0.1)))
+            return
+        except TimeoutError:
+            continue
+    log_tail = log_path.read_text(errors="replace")[-4000:] if log_path.exists() else "(no log)"
+    state = f"exited with {head.returncode}" if head.poll() is not None else f"no answer within {timeout_s}s"
+    raise TimeoutError(f"ray start --head at {address}: {state}; its log ends:\n{log_tail}")
+
+
+@pytest.fixture
+def head_cluster():
+    """A ``ray start --head`` cluster on loopback; yields its dashboard (job server) address.
+
+    A head that does not come up is started once more on fresh ports (the ports are picked
+    free but could be taken between the pick and Ray's bind, and a busy 2-core machine is
+    slow to start the dashboard); the second failure is reported with the head's log.
+    """
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    env.pop("RAY_ADDRESS", None)
+    for attempt in range(HEAD_START_ATTEMPTS):
+        # NOTE: a short temp dir: Ray's unix socket paths must stay under ~107 characters.
+        temp_dir = tempfile.mkdtemp(prefix="fj", dir="/tmp")
+        head, address, log_path = _start_head(env, temp_dir)
+        try:
+            _wait_head(head, address, log_path, START_TIMEOUT_S)
+            break
+        except TimeoutError:
+            _stop_head(head)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            if attempt == HEAD_START_ATTEMPTS - 1:
+                raise
+    try:
         yield address, env
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
-        log.close()
+        _stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.timeout(600)  # a head start, the job agent, the job, a model load: all bounded above
+@pytest.mark.timeout(900)  # two head starts at most, the job agent, the job, a model load: all bounded above
 def test_ray_job_submit_deploys_a_serving_endpoint(head_cluster):
     from openai import OpenAI
 
