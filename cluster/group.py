@@ -17,6 +17,7 @@ rebuilt.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any, Sequence
 
@@ -34,6 +35,9 @@ from flotilla.resolution import ResolvedConfig
 CPU_BUNDLE_SHARE = 0.5
 # Loopback settings every rank needs (see the Ray-on-one-box notes).
 _LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# UCX settings of the process building the group, handed to its ranks (their KV endpoints
+# use NIXL over UCX; e.g. UCX_NET_DEVICES=lo keeps a one-box deployment on loopback).
+_UCX_ENV = ("UCX_NET_DEVICES", "UCX_TLS")
 
 
 class WorkerGroupError(RuntimeError):
@@ -104,10 +108,11 @@ class WorkerGroup:
         port = free_loopback_port()
         collective = collective_timeout_s or min(rpc_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
         resources = {"num_gpus": 1, "num_cpus": 0} if on_gpu else {"num_cpus": CPU_BUNDLE_SHARE}
+        env = dict(_LOOPBACK_ENV, **{k: os.environ[k] for k in _UCX_ENV if k in os.environ})
         for rank in range(world_size):
             strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
             actor = WorkerActor.options(
-                scheduling_strategy=strategy, runtime_env={"env_vars": dict(_LOOPBACK_ENV)}, **resources
+                scheduling_strategy=strategy, runtime_env={"env_vars": env}, **resources
             ).remote(rank, world_size, self.digest, port, collective)
             self.actors.append(actor)
         try:
@@ -148,6 +153,38 @@ class WorkerGroup:
         ``[N_d, V]`` of its part's sampling requests, in DP order (one entry without DP
         attention); the driver concatenates and samples them."""
         return self.execute_leaders(StepBatch(schedule, (), return_logits=True))
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Call Worker ``method(*args)`` on every rank (per-rank work, no collectives); returns
+        every rank's result in rank order, after ONE bounded wait for all of them.
+
+        A rank that RAISED leaves the group intact: the lowest such rank's own exception is
+        re-raised (it names its rank; every rank has finished by then). A dead rank, or ranks
+        that did not answer within ``timeout_s`` (default ``rpc_timeout_s``), break the group
+        as :meth:`execute` does (WorkerGroupError naming the rank).
+        """
+        if self._error is not None:
+            raise self._error
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+        bound = self.rpc_timeout_s if timeout_s is None else timeout_s
+        what = f"answer {method}()"
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=bound)
+        if pending:
+            self._error = self._diagnose(refs, what, GetTimeoutError(f"{len(pending)} ranks pending"))
+            raise self._error
+        results: list[Any] = []
+        raised: list[BaseException] = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=0))
+            except RayTaskError as exc:
+                raised.append(exc.cause if exc.cause is not None else exc)
+            except (RayActorError, GetTimeoutError) as exc:
+                self._error = self._diagnose(refs, what, exc)
+                raise self._error from None
+        if raised:
+            raise raised[0]
+        return results
 
     def _gather(self, refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
         """Every rank's result, with ONE bounded ``ray.get`` over all of them."""

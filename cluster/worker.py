@@ -216,8 +216,51 @@ class Worker:
             logits = runner.model.compute_logits(hidden.index_select(0, sample_index))
         return logits.float().cpu()
 
+    # -- KV transfer (prefill/decode disaggregation): this rank's endpoint ---------------
+    # NOTE: per-rank calls, no collectives: a rank's failure leaves its peers in step.
+
+    def _kv_runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: KV calls before load()")
+        return self.runner
+
+    def kv_attach(self, factory: Any) -> None:
+        """Build this rank's KV endpoint: ``factory(rank, kv_caches, head_span)`` (once)."""
+        self._kv_runner().kv_attach(factory, rank=self.rank)
+
+    def kv_metadata(self) -> bytes:
+        """This rank's endpoint metadata (for the peer engine's ranks)."""
+        return self._kv_runner().kv_port.metadata()
+
+    def kv_connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
+        """Connect peer engine ``peer_id`` (one metadata entry per peer rank; idempotent)."""
+        self._kv_runner().kv_connect(peer_id, peer_metadata)
+
+    def kv_read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
+        """Read this rank's KV heads of ``peer_id``'s blocks ``src`` into blocks ``dst``;
+        returns the bytes moved (KVRankError naming this rank on failure)."""
+        return self._kv_runner().kv_read(peer_id, src, dst, timeout_s)
+
+    def kv_export(self, block_ids: Sequence[int], heads: tuple[int, int] | None = None) -> Any:
+        """The Ray fallback's source side (``KVEndpointFactory.export_method``): the blocks'
+        bytes of global KV heads ``heads`` (``[lo, hi)``; all of this rank's when None)."""
+        return self._kv_runner().kv_export(block_ids, heads)
+
+    def kv_forget(self, peer_id: str) -> None:
+        self._kv_runner().kv_forget(peer_id)
+
+    def kv_set_fail_next_reads(self, n: int) -> None:
+        """Test seam: this rank's next ``n`` reads fail without moving anything."""
+        self._kv_runner().kv_set_fail_next_reads(n)
+
+    def kv_detach(self) -> None:
+        """Close this rank's KV endpoint (idempotent)."""
+        if self.runner is not None:
+            self.runner.kv_detach()
+
     def shutdown(self) -> None:
-        """Leave the process group."""
+        """Close the KV endpoint and leave the process group."""
+        self.kv_detach()
         if self.world_size > 1:
             from flotilla.cluster.distributed import destroy
 

@@ -1,22 +1,37 @@
-"""Moving paged KV-cache blocks from a prefill rank to a decode rank.
+"""Moving paged KV-cache blocks from prefill ranks to decode ranks.
 
 One rank's cache is ``kv_caches``: a list of per-layer tuples of tensors, each shaped
-``[num_blocks, block_size, *entry]`` (``KVCacheSpec.allocate``). A *region* is one such
-tensor; a block of a region is the contiguous slice ``region[b]``. A transfer moves the
-same blocks of every region (all layers, all tensors).
+``[num_blocks, block_size, heads, *entry]`` (``KVCacheSpec.allocate``; Llama-like K and V
+hold the rank's KV heads, MLA one latent "head" replicated on every rank). A *region* is
+one such tensor; a block of a region is the contiguous slice ``region[b]``. A transfer
+moves the same blocks of every region (all layers, all tensors).
 
-The flow, on the two ranks that hold the same layer shards (same TP layout):
+Heterogeneous TP: a rank's :class:`HeadSpan` says which global KV heads its cache holds
+on axis 2 (``start``, ``count`` of ``total``). Prefill and decode may shard the heads
+differently; a destination rank reads only the heads it holds, each from one source rank
+that holds it (:func:`plan_head_reads`). When the moved heads are the whole block entry on
+both sides a read moves whole (coalesced) block runs; otherwise a head slice of a block is
+strided (the layout is ``[block_size, heads, *entry]``), one contiguous chunk per token.
 
-1. each rank builds a transport and calls ``register(kv_caches)`` once at start;
-2. the source's ``metadata()`` bytes travel to the destination THROUGH RAY (an actor
-   call's argument or result) and the destination calls ``connect(peer, metadata)``;
+The flow, per rank:
+
+1. each rank builds a transport and calls ``register(kv_caches, head_span)`` once at start;
+2. the source's ``metadata()`` bytes (they carry its head span) travel to the destination
+   THROUGH RAY (an actor call's argument or result) and the destination calls
+   ``connect(peer, metadata)``, which refuses incompatible layouts (region count, dtype,
+   block size, per-head entry shape, total heads);
 3. per request the destination calls ``read(peer, src_block_ids, dst_block_ids,
-   timeout_s)``, which pulls the blocks into its own cache or raises
-   :class:`KVTransferError`; it then tells the source to free them (the source holds them
-   under a :class:`BlockLeases` lease meanwhile, so a reader that never comes back cannot
-   leak them).
+   timeout_s, heads)``, which pulls the blocks' heads into its own cache and returns the
+   bytes moved, or raises :class:`KVTransferError`; it then tells the source to free them
+   (the source holds them under a :class:`BlockLeases` lease meanwhile, so a reader that
+   never comes back cannot leak them).
 
-Two transports:
+:class:`KVEndpoint` is one rank's side of that flow across whole TP groups: it wraps a
+transport, connects a peer engine given every peer rank's metadata (each needed rank as
+``f"{peer_id}/{rank}"``) and reads its planned heads from each. :class:`KVEndpointFactory`
+is the picklable recipe the cluster side receives to build one endpoint per worker rank.
+
+Two transports (:data:`KV_TRANSPORTS`):
 
 - :class:`NixlTransport`: one NIXL agent per rank, UCX backend, DRAM on CPU (VRAM for
   CUDA tensors); the destination READs the source's registered memory. NIXL's own
@@ -25,18 +40,21 @@ Two transports:
   collide on a port. Set ``UCX_NET_DEVICES=lo`` in the actors' environment to keep UCX on
   loopback.
 - :class:`RayObjectTransport`: the fallback for machines without NIXL: the source's actor
-  serves ``export(block_ids)`` through one of its methods and the destination copies the
-  returned tensors in.
+  serves ``export(block_ids, heads)`` through one of its methods (sliced to the heads
+  before sending) and the destination copies the returned arrays into its head offsets.
 
-Test seam: every transport has ``fail_next_reads`` (an int, default 0); while it is
-positive the next ``read`` decrements it and raises :class:`KVTransferError` without
-moving anything, so fault tests can inject a transfer failure inside a real actor.
+Test seam: every transport (and endpoint) has ``fail_next_reads`` (an int, default 0);
+while it is positive the next ``read`` decrements it and raises :class:`KVTransferError`
+without moving anything, so fault tests can inject a transfer failure inside a real actor.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import importlib
 import pickle
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -47,6 +65,9 @@ import torch
 
 KVCaches = Sequence[Sequence[torch.Tensor]]
 
+# Transport kinds a KVEndpointFactory builds.
+KV_TRANSPORTS = ("nixl", "ray")
+
 
 class KVTransferError(RuntimeError):
     """A KV transfer did not complete (peer unknown or dead, bad block id, timeout,
@@ -54,35 +75,130 @@ class KVTransferError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------
+# Head spans (heterogeneous TP)
+
+
+@dataclass(frozen=True)
+class HeadSpan:
+    """The global KV heads one rank's cache holds on axis 2 of each region:
+    ``[start, start + count)`` of ``total`` (MLA: ``HeadSpan(0, 1, 1)`` on every rank)."""
+
+    start: int
+    count: int
+    total: int
+
+    def __post_init__(self) -> None:
+        values = (self.start, self.count, self.total)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values) or not (
+            0 <= self.start and self.count >= 1 and self.start + self.count <= self.total
+        ):
+            raise ValueError(
+                "head_span needs integers with 0 <= start, count >= 1 and start + count <= total "
+                f"(got start={self.start!r}, count={self.count!r}, total={self.total!r})"
+            )
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count
+
+    @classmethod
+    def of(cls, span: HeadSpan | Sequence[int]) -> HeadSpan:
+        """``span`` itself, or a ``(start, count, total)`` triple as a HeadSpan."""
+        if isinstance(span, HeadSpan):
+            return span
+        values = tuple(span)
+        if len(values) != 3:
+            raise ValueError(f"head_span must be a HeadSpan or (start, count, total) (got {span!r})")
+        return cls(*(int(v) for v in values))
+
+    def __str__(self) -> str:
+        return f"heads [{self.start}, {self.stop}) of {self.total}"
+
+
+def plan_head_reads(local: HeadSpan, peers: Sequence[HeadSpan]) -> list[tuple[int, int, int]]:
+    """Which peer rank to read each of ``local``'s heads from.
+
+    Returns ``(peer_index, lo, hi)`` global head ranges, in head order, covering
+    ``[local.start, local.stop)``; each head is read once, from the lowest-index peer
+    holding it (replicated KV heads: the first replica).
+
+    Raises:
+        ValueError: no peers, a peer's ``total`` differs from ``local.total``, or a local
+            head is held by no peer.
+    """
+    if not peers:
+        raise ValueError("peers is empty: give the head span of every peer rank")
+    totals = [p.total for p in peers]
+    if any(t != local.total for t in totals):
+        raise ValueError(
+            f"peer head totals {totals} differ from the local total {local.total}: "
+            "both sides must hold the same model's KV heads"
+        )
+    plan: list[tuple[int, int, int]] = []
+    for head in range(local.start, local.stop):
+        owner = next((i for i, p in enumerate(peers) if p.start <= head < p.stop), None)
+        if owner is None:
+            raise ValueError(
+                f"KV head {head} (local {local}) is held by no peer rank (peer spans: {[str(p) for p in peers]})"
+            )
+        if plan and plan[-1][0] == owner and plan[-1][2] == head:
+            plan[-1] = (owner, plan[-1][1], head + 1)
+        else:
+            plan.append((owner, head, head + 1))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------
 # Layout shared by both transports
+
+
+@functools.cache
+def _element_size(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 @dataclass(frozen=True)
 class RegionLayout:
-    """One registered tensor: ``num_blocks`` blocks of ``block_shape`` and ``dtype``."""
+    """One registered tensor: ``num_blocks`` blocks of ``block_shape``
+    (``(block_size, heads, *entry)``) and ``dtype``."""
 
     num_blocks: int
     block_shape: tuple[int, ...]
     dtype: str
 
     @property
-    def block_bytes(self) -> int:
-        element_size = torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
-        return int(torch.Size(self.block_shape).numel()) * element_size
+    def block_size(self) -> int:
+        return self.block_shape[0]
 
-    def same_blocks(self, other: RegionLayout) -> bool:
-        return (self.block_shape, self.dtype) == (other.block_shape, other.dtype)
+    @property
+    def entry_shape(self) -> tuple[int, ...]:
+        """One head's entry of one token (e.g. ``(head_dim,)``)."""
+        return self.block_shape[2:]
+
+    @property
+    def head_bytes(self) -> int:
+        return int(torch.Size(self.entry_shape).numel()) * _element_size(self.dtype)
+
+    @property
+    def token_bytes(self) -> int:
+        return self.block_shape[1] * self.head_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.token_bytes
 
 
 def flatten_regions(kv_caches: KVCaches) -> list[torch.Tensor]:
-    """The cache's tensors in (layer, tensor) order, checked to be contiguous."""
+    """The cache's tensors in (layer, tensor) order, checked to be contiguous
+    ``[num_blocks, block_size, heads, *entry]`` tensors."""
     regions = [t for layer in kv_caches for t in layer]
     if not regions:
         raise ValueError("kv_caches is empty: register the cache allocated by KVCacheSpec.allocate")
     for i, t in enumerate(regions):
-        if not t.is_contiguous() or t.dim() < 2:
+        if not t.is_contiguous() or t.dim() < 3:
             raise ValueError(
-                f"kv_caches region {i} must be a contiguous [num_blocks, block_size, ...] tensor (got shape {tuple(t.shape)})"
+                f"kv_caches region {i} must be a contiguous [num_blocks, block_size, heads, ...] tensor "
+                f"(got shape {tuple(t.shape)})"
             )
     return regions
 
@@ -91,14 +207,29 @@ def region_layouts(regions: Sequence[torch.Tensor]) -> tuple[RegionLayout, ...]:
     return tuple(RegionLayout(int(t.shape[0]), tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for t in regions)
 
 
-def check_compatible(peer_name: str, local: Sequence[RegionLayout], peer: Sequence[RegionLayout]) -> None:
-    """Raise ValueError unless the peer's blocks have the same shapes and dtypes as ours
-    (the block counts may differ)."""
-    if len(local) != len(peer) or not all(a.same_blocks(b) for a, b in zip(local, peer)):
+def check_compatible(
+    peer_name: str, local: Sequence[RegionLayout], local_span: HeadSpan, peer: Sequence[RegionLayout], peer_span: HeadSpan
+) -> None:
+    """Raise ValueError unless the peer's regions match ours in count, dtype, block size
+    and per-head entry shape, and both sides shard the same total of heads (the block
+    counts and the per-rank head counts may differ)."""
+    problem = None
+    if len(local) != len(peer):
+        problem = f"{len(peer)} regions vs {len(local)} here"
+    elif local_span.total != peer_span.total:
+        problem = f"{peer_span.total} KV heads in all vs {local_span.total} here"
+    else:
+        for i, (a, b) in enumerate(zip(local, peer)):
+            if (a.dtype, a.block_size, a.entry_shape) != (b.dtype, b.block_size, b.entry_shape):
+                problem = (
+                    f"region {i} is dtype={b.dtype}, block_size={b.block_size}, per-head entry {b.entry_shape} "
+                    f"vs dtype={a.dtype}, block_size={a.block_size}, per-head entry {a.entry_shape} here"
+                )
+                break
+    if problem:
         raise ValueError(
-            f"peer {peer_name!r} has an incompatible KV layout: local regions "
-            f"{[(r.block_shape, r.dtype) for r in local]} vs peer {[(r.block_shape, r.dtype) for r in peer]}; "
-            "both sides must hold the same layers with the same TP sharding"
+            f"peer {peer_name!r} has an incompatible KV layout: {problem}; both sides must hold the same "
+            "layers, dtype, block size and head shape (only the TP split of the heads may differ)"
         )
 
 
@@ -114,59 +245,130 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
     return runs
 
 
+def check_heads(heads: Sequence[int], *spans: tuple[str, HeadSpan]) -> tuple[int, int]:
+    """``heads`` as ``(lo, hi)``, checked to be a non-empty range inside every named span."""
+    try:
+        lo, hi = (int(h) for h in heads)
+    except (TypeError, ValueError):
+        raise ValueError(f"heads must be a (lo, hi) pair of global KV head indices (got heads={heads!r})") from None
+    if lo >= hi:
+        raise ValueError(f"heads must be a non-empty range lo < hi (got heads={heads!r})")
+    for owner, span in spans:
+        if lo < span.start or hi > span.stop:
+            raise ValueError(f"heads=({lo}, {hi}) is outside the {span} that {owner} holds")
+    return lo, hi
+
+
+def _load_metadata(peer_name: str, peer_metadata: bytes) -> dict:
+    try:
+        info = pickle.loads(peer_metadata)
+        HeadSpan.of(info["head_span"])
+        info["layouts"]
+    except Exception as e:
+        raise ValueError(
+            f"peer_metadata of {peer_name!r} is not KV transport metadata ({type(e).__name__}: {e}); "
+            "pass the bytes of the peer's metadata()"
+        ) from None
+    return info
+
+
 # ---------------------------------------------------------------------------------------
 # Interface
 
 
 class KVTransport(abc.ABC):
-    """Moves paged KV blocks from a source rank into a destination rank's cache.
+    """Moves paged KV blocks (all their heads, or a range of them) from a source rank into
+    a destination rank's cache.
 
     Lifecycle: ``register`` once, ``metadata``/``connect`` once per peer (metadata goes
-    through Ray), ``read`` per request on the destination, ``close`` at shutdown.
+    through Ray), ``read`` per request on the destination, ``forget`` a gone peer,
+    ``close`` at shutdown.
 
     Attributes:
+        name: this rank's name (the NIXL agent name).
+        head_span: the heads the registered cache holds (set by ``register``).
         fail_next_reads: test seam; while positive, ``read`` decrements it and raises
             :class:`KVTransferError` without moving anything.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.fail_next_reads = 0
+        self.head_span: HeadSpan | None = None
         self._regions: list[torch.Tensor] = []
         self._layouts: tuple[RegionLayout, ...] = ()
-        self._peers: dict[str, tuple[RegionLayout, ...]] = {}
+        self._peers: dict[str, tuple[tuple[RegionLayout, ...], HeadSpan]] = {}
 
-    def register(self, kv_caches: KVCaches) -> None:
+    def register(self, kv_caches: KVCaches, head_span: HeadSpan | Sequence[int] | None = None) -> None:
         """Register this rank's cache (once, at start); its tensors must stay alive and
-        never be reallocated while the transport is open."""
+        never be reallocated while the transport is open.
+
+        Args:
+            kv_caches: per layer a tuple of ``[num_blocks, block_size, heads, *entry]``
+                tensors, every one holding ``head_span.count`` heads on axis 2.
+            head_span: the global heads held; ``None``: all of them
+                (``HeadSpan(0, heads, heads)``).
+        """
         if self._regions:
             raise ValueError("register() was already called: the cache is registered once at start")
-        self._regions = flatten_regions(kv_caches)
-        self._layouts = region_layouts(self._regions)
+        regions = flatten_regions(kv_caches)
+        heads = int(regions[0].shape[2])
+        span = HeadSpan(0, heads, heads) if head_span is None else HeadSpan.of(head_span)
+        bad = [(i, int(t.shape[2])) for i, t in enumerate(regions) if t.shape[2] != span.count]
+        if bad:
+            raise ValueError(
+                f"kv_caches regions (index, heads) {bad} do not hold head_span.count={span.count} heads on axis 2 "
+                f"(head_span={span})"
+            )
+        self._regions, self._layouts, self.head_span = regions, region_layouts(regions), span
         self._register_backend()
+
+    @property
+    def layouts(self) -> tuple[RegionLayout, ...]:
+        """The registered regions' layouts (empty before ``register``)."""
+        return self._layouts
 
     @abc.abstractmethod
     def metadata(self) -> bytes:
-        """A picklable descriptor of this rank (agent and registered regions) for peers;
-        send it through Ray, never through NIXL's listener."""
+        """A picklable descriptor of this rank (agent, registered regions, head span) for
+        peers; send it through Ray, never through NIXL's listener."""
 
     def connect(self, peer_name: str, peer_metadata: bytes) -> None:
-        """Make the source described by ``peer_metadata`` readable as ``peer_name``."""
+        """Make the source described by ``peer_metadata`` readable as ``peer_name``
+        (replacing a peer of that name). ValueError when its layout is incompatible."""
         self._require_registered()
-        info = pickle.loads(peer_metadata)
-        check_compatible(peer_name, self._layouts, info["layouts"])
+        info = _load_metadata(peer_name, peer_metadata)
+        peer_span = HeadSpan.of(info["head_span"])
+        check_compatible(peer_name, self._layouts, self.head_span, info["layouts"], peer_span)
+        if peer_name in self._peers:
+            self.forget(peer_name)
         self._connect_backend(peer_name, info)
-        self._peers[peer_name] = info["layouts"]
+        self._peers[peer_name] = (info["layouts"], peer_span)
 
     def read(
-        self, peer_name: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], timeout_s: float
-    ) -> None:
-        """Pull ``src_block_ids`` of every region of ``peer_name`` into our blocks
-        ``dst_block_ids`` (pairwise), within ``timeout_s`` seconds.
+        self,
+        peer_name: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        timeout_s: float,
+        heads: Sequence[int] | None = None,
+    ) -> int:
+        """Pull the heads ``heads`` of ``src_block_ids`` of every region of ``peer_name``
+        into our blocks ``dst_block_ids`` (pairwise, at our offsets of those heads), within
+        ``timeout_s`` seconds; nothing else of our cache changes.
+
+        Args:
+            heads: global ``(lo, hi)`` heads to move, inside both sides' spans; ``None``:
+                our whole span (which must lie inside the peer's).
+
+        Returns:
+            The bytes moved.
 
         Raises:
             KVTransferError: unknown peer, a source block id outside the peer's cache,
                 a dead peer, a backend error, the timeout, or an injected failure.
-            ValueError: mismatched lengths or a destination block id outside our cache.
+            ValueError: mismatched lengths, a destination block id outside our cache,
+                a non-positive timeout, or ``heads`` outside either side's span.
         """
         self._require_registered()
         src, dst = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
@@ -179,10 +381,20 @@ class KVTransport(abc.ABC):
             raise KVTransferError(
                 f"unknown KV peer {peer_name!r}: call connect() with its metadata first (known: {sorted(self._peers)})"
             )
-        bad_src = [b for b in src if not 0 <= b < peer[0].num_blocks]
+        peer_layouts, peer_span = peer
+        span = self.head_span
+        if heads is None and not peer_span.start <= span.start < span.stop <= peer_span.stop:
+            raise ValueError(
+                f"heads=None reads this rank's {span}, which peer {peer_name!r} does not hold (it holds {peer_span}); "
+                "pass the heads to read from it"
+            )
+        lo, hi = check_heads(
+            (span.start, span.stop) if heads is None else heads, ("this rank", span), (f"peer {peer_name!r}", peer_span)
+        )
+        bad_src = [b for b in src if not 0 <= b < peer_layouts[0].num_blocks]
         if bad_src:
             raise KVTransferError(
-                f"source block ids {bad_src} are outside peer {peer_name!r}'s cache of {peer[0].num_blocks} blocks"
+                f"source block ids {bad_src} are outside peer {peer_name!r}'s cache of {peer_layouts[0].num_blocks} blocks"
             )
         bad_dst = [b for b in dst if not 0 <= b < self._layouts[0].num_blocks]
         if bad_dst:
@@ -190,13 +402,26 @@ class KVTransport(abc.ABC):
         if self.fail_next_reads > 0:
             self.fail_next_reads -= 1
             raise KVTransferError(f"injected KV transfer failure reading from {peer_name!r} (fail_next_reads test seam)")
-        if src:
-            self._read_backend(peer_name, src, dst, timeout_s)
+        if not src:
+            return 0
+        self._read_backend(peer_name, src, dst, lo, hi, timeout_s)
+        return len(src) * sum(r.block_size * (hi - lo) * r.head_bytes for r in self._layouts)
+
+    def forget(self, peer_name: str) -> None:
+        """Drop a connected peer (no-op when unknown)."""
+        if self._peers.pop(peer_name, None) is not None:
+            self._forget_backend(peer_name)
 
     def close(self) -> None:
         """Forget peers and release backend resources; the transport is unusable after."""
-        self._peers.clear()
+        for peer_name in list(self._peers):
+            self.forget(peer_name)
         self._regions = []
+
+    def _whole(self, peer_name: str, lo: int, hi: int) -> bool:
+        """True when ``[lo, hi)`` is the whole block entry on both sides (whole blocks move)."""
+        peer_span = self._peers[peer_name][1]
+        return (lo, hi) == (self.head_span.start, self.head_span.stop) == (peer_span.start, peer_span.stop)
 
     def _require_registered(self) -> None:
         if not self._regions:
@@ -209,11 +434,48 @@ class KVTransport(abc.ABC):
     def _connect_backend(self, peer_name: str, info: dict) -> None: ...
 
     @abc.abstractmethod
-    def _read_backend(self, peer_name: str, src: list[int], dst: list[int], timeout_s: float) -> None: ...
+    def _forget_backend(self, peer_name: str) -> None: ...
+
+    @abc.abstractmethod
+    def _read_backend(self, peer_name: str, src: list[int], dst: list[int], lo: int, hi: int, timeout_s: float) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------
 # NIXL
+
+# Microseconds NIXL's progress thread sleeps between polls. NOTE: nixl's Python wrapper
+# (1.5) pins this to 0, and an idle agent then spins a whole core (measured: ~1 core per
+# agent on a 2-core box, which starves the engines); at 500 us an idle agent costs ~2 % of a
+# core and a 16 MiB loopback READ takes as long as with 0.
+PROGRESS_THREAD_DELAY_US = 500
+_AGENT_LOCK = threading.Lock()
+
+
+def _make_nixl_agent(agent_name: str, delay_us: int = PROGRESS_THREAD_DELAY_US):
+    """A NIXL agent with its progress thread on, its listener off (it binds 0.0.0.0 on a
+    fixed port; metadata goes through Ray instead), and the progress thread sleeping
+    ``delay_us`` between polls."""
+    from nixl import _api
+
+    base = _api.nixlBind.nixlAgentConfig
+
+    class _DelayedProgress(base):  # type: ignore[misc, valid-type]
+        # NOTE: the wrapper writes ``pthrDelay = 0`` after building the config; keep ours.
+        @property
+        def pthrDelay(self):  # noqa: N802 - the binding's name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value):  # noqa: N802
+            base.pthrDelay.__set__(self, delay_us)
+
+    config = _api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[])
+    with _AGENT_LOCK:  # NOTE: the class swap is process-wide for the constructor's duration
+        _api.nixlBind.nixlAgentConfig = _DelayedProgress
+        try:
+            return _api.nixl_agent(agent_name, config)
+        finally:
+            _api.nixlBind.nixlAgentConfig = base
 
 
 class NixlTransport(KVTransport):
@@ -229,13 +491,9 @@ class NixlTransport(KVTransport):
     def __init__(
         self, agent_name: str, backend_params: dict[str, str] | None = None, poll_interval_s: float = 0.0002
     ) -> None:
-        super().__init__()
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        # NOTE: no listener thread: it binds 0.0.0.0 on a fixed port; metadata goes via Ray.
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[])
+        super().__init__(agent_name)
         self.agent_name = agent_name
-        self._agent = nixl_agent(agent_name, config)
+        self._agent = _make_nixl_agent(agent_name)
         self._agent.create_backend("UCX", dict(backend_params or {}))
         self._poll_interval_s = poll_interval_s
         self._reg_descs = None
@@ -259,6 +517,7 @@ class NixlTransport(KVTransport):
                 "device_id": device_id,
                 "bases": [t.data_ptr() for t in self._regions],
                 "layouts": self._layouts,
+                "head_span": self.head_span,
             }
         )
 
@@ -271,15 +530,52 @@ class NixlTransport(KVTransport):
         remote = self._agent.add_remote_agent(info["agent_metadata"])
         self._remote[peer_name] = (remote, info["device_id"], info["bases"])
 
-    def _read_backend(self, peer_name: str, src: list[int], dst: list[int], timeout_s: float) -> None:
-        remote, remote_dev, remote_bases = self._remote[peer_name]
-        mem_type, device_id = self._mem()
-        local_descs, remote_descs = [], []
-        for region, base, layout in zip(self._regions, remote_bases, self._layouts):
-            nb = layout.block_bytes
-            for s, d, n in block_runs(src, dst):
-                local_descs.append((region.data_ptr() + d * nb, n * nb, device_id))
-                remote_descs.append((base + s * nb, n * nb, remote_dev))
+    def _forget_backend(self, peer_name: str) -> None:
+        remote = self._remote.pop(peer_name, None)
+        # NOTE: two peer names may share one agent (re-connect); drop it only when unused.
+        if remote is not None and all(r[0] != remote[0] for r in self._remote.values()):
+            try:
+                self._agent.remove_remote_agent(remote[0])
+            except Exception:
+                pass
+
+    def _descriptors(self, peer_name: str, src: list[int], dst: list[int], lo: int, hi: int) -> tuple[np.ndarray, ...]:
+        """``(local, remote)`` Nx3 ``(address, length, device)`` descriptor arrays."""
+        _, remote_dev, remote_bases = self._remote[peer_name]
+        peer_layouts, peer_span = self._peers[peer_name]
+        device_id = self._mem()[1]
+        local_rows, remote_rows = [], []
+
+        def add(local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray) -> None:
+            ones = np.ones(len(length), np.uint64)
+            local_rows.append(np.stack([local_addr, length, ones * device_id], 1))
+            remote_rows.append(np.stack([remote_addr, length, ones * remote_dev], 1))
+
+        if self._whole(peer_name, lo, hi):
+            runs = np.array(block_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
+            for region, base, layout in zip(self._regions, remote_bases, self._layouts):
+                nb = layout.block_bytes
+                add(region.data_ptr() + runs[:, 1] * nb, base + runs[:, 0] * nb, runs[:, 2] * nb)
+        else:
+            # A head slice of a block is strided: one chunk of (hi - lo) heads per token. NOTE:
+            # neighbouring chunks are contiguous on both sides only when [lo, hi) is both sides'
+            # whole entry, the branch above, so nothing here coalesces.
+            s, d = np.array(src, dtype=np.uint64), np.array(dst, dtype=np.uint64)
+            for region, base, local, peer in zip(self._regions, remote_bases, self._layouts, peer_layouts):
+                tokens = np.arange(local.block_size, dtype=np.uint64)
+                local_tokens = (d[:, None] * local.block_size + tokens).ravel()
+                remote_tokens = (s[:, None] * peer.block_size + tokens).ravel()
+                add(
+                    region.data_ptr() + (lo - self.head_span.start) * local.head_bytes + local_tokens * local.token_bytes,
+                    base + (lo - peer_span.start) * peer.head_bytes + remote_tokens * peer.token_bytes,
+                    np.full(len(local_tokens), (hi - lo) * local.head_bytes, np.uint64),
+                )
+        return np.concatenate(local_rows), np.concatenate(remote_rows)
+
+    def _read_backend(self, peer_name: str, src: list[int], dst: list[int], lo: int, hi: int, timeout_s: float) -> None:
+        remote = self._remote[peer_name][0]
+        mem_type = self._mem()[0]
+        local_descs, remote_descs = self._descriptors(peer_name, src, dst, lo, hi)
         deadline = time.monotonic() + timeout_s
         try:
             handle = self._agent.initialize_xfer(
@@ -290,21 +586,20 @@ class NixlTransport(KVTransport):
             )
         except Exception as e:  # nixl raises its own binding errors (e.g. nixlBackendError)
             raise KVTransferError(f"NIXL could not prepare a READ from {peer_name!r}: {type(e).__name__}: {e}") from None
+        what = f"NIXL READ of {len(src)} blocks (heads [{lo}, {hi})) from {peer_name!r}"
         try:
             state = self._agent.transfer(handle)
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise KVTransferError(f"NIXL READ of {len(src)} blocks from {peer_name!r} did not finish within {timeout_s} s")
+                    raise KVTransferError(f"{what} did not finish within {timeout_s} s")
                 time.sleep(self._poll_interval_s)
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
-                raise KVTransferError(
-                    f"NIXL READ of {len(src)} blocks from {peer_name!r} failed (state {state}); is the peer alive?"
-                )
+                raise KVTransferError(f"{what} failed (state {state}); is the peer alive?")
         except KVTransferError:
             raise
         except Exception as e:
-            raise KVTransferError(f"NIXL READ from {peer_name!r} failed: {type(e).__name__}: {e}") from None
+            raise KVTransferError(f"{what} failed: {type(e).__name__}: {e}") from None
         finally:
             try:
                 self._agent.release_xfer_handle(handle)
@@ -312,16 +607,10 @@ class NixlTransport(KVTransport):
                 pass
 
     def close(self) -> None:
-        for remote, _, _ in self._remote.values():
-            try:
-                self._agent.remove_remote_agent(remote)
-            except Exception:
-                pass
-        self._remote.clear()
+        super().close()
         if self._reg_descs is not None:
             self._agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
-        super().close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -330,17 +619,19 @@ class NixlTransport(KVTransport):
 
 class RayObjectTransport(KVTransport):
     """KV transfer through a Ray actor call: the destination calls the source actor's
-    ``export_method(block_ids)``, which must return ``transport.export(block_ids)``.
+    ``export_method(block_ids, heads)``, which must return ``transport.export(block_ids,
+    heads)``.
 
     Args:
         actor_handle: the actor hosting this transport (the source side publishes it in
             ``metadata``); ``None`` means the current actor
             (``ray.get_runtime_context().current_actor``).
         export_method: name of that actor's method that delegates to :meth:`export`.
+        name: this rank's name (for messages).
     """
 
-    def __init__(self, actor_handle=None, export_method: str = "export_kv_blocks") -> None:
-        super().__init__()
+    def __init__(self, actor_handle=None, export_method: str = "export_kv_blocks", name: str = "ray-kv") -> None:
+        super().__init__(name)
         self._actor = actor_handle
         self._export_method = export_method
         self._sources: dict[str, object] = {}
@@ -354,28 +645,45 @@ class RayObjectTransport(KVTransport):
         self._require_registered()
         actor = self._actor or ray.get_runtime_context().current_actor
         # NOTE: cloudpickle: an actor handle pickles only through Ray's reducer.
-        return ray.cloudpickle.dumps({"actor": actor, "method": self._export_method, "layouts": self._layouts})
+        return ray.cloudpickle.dumps(
+            {"actor": actor, "method": self._export_method, "layouts": self._layouts, "head_span": self.head_span}
+        )
 
     def _connect_backend(self, peer_name: str, info: dict) -> None:
         self._sources[peer_name] = getattr(info["actor"], info["method"])
 
-    def export(self, block_ids: Sequence[int]) -> list[np.ndarray]:
-        """Source side: per region, the blocks' bytes as one uint8 array
-        ``[len(block_ids), block_bytes]`` (numpy, so Ray moves it without pickling a
-        copy and the reader maps it straight from the object store)."""
+    def _forget_backend(self, peer_name: str) -> None:
+        self._sources.pop(peer_name, None)
+
+    def export(self, block_ids: Sequence[int], heads: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Source side: per region, the blocks' heads ``heads`` (global ``(lo, hi)``
+        inside this rank's span; ``None``: all) as one uint8 array
+        ``[len(block_ids), block_size * (hi - lo) * head_bytes]`` (numpy, so Ray moves it
+        without pickling a copy and the reader maps it straight from the object store)."""
         self._require_registered()
+        span = self.head_span
+        lo, hi = (span.start, span.stop) if heads is None else check_heads(heads, ("this rank", span))
         ids = [int(b) for b in block_ids]
         bad = [b for b in ids if not 0 <= b < self._layouts[0].num_blocks]
         if bad:
             raise KVTransferError(f"block ids {bad} are outside this cache of {self._layouts[0].num_blocks} blocks")
         index = torch.tensor(ids, dtype=torch.long, device=self._regions[0].device)
-        return [r.index_select(0, index).cpu().view(torch.uint8).reshape(len(ids), -1).numpy() for r in self._regions]
+        out = []
+        for region in self._regions:
+            blocks = region.index_select(0, index)
+            if (lo, hi) != (span.start, span.stop):
+                blocks = blocks[:, :, lo - span.start : hi - span.start].contiguous()
+            out.append(blocks.cpu().view(torch.uint8).reshape(len(ids), -1).numpy())
+        return out
 
-    def _read_backend(self, peer_name: str, src: list[int], dst: list[int], timeout_s: float) -> None:
+    def _read_backend(self, peer_name: str, src: list[int], dst: list[int], lo: int, hi: int, timeout_s: float) -> None:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        ref = self._sources[peer_name].remote(src)
+        try:
+            ref = self._sources[peer_name].remote(src, (lo, hi))
+        except Exception as e:  # e.g. an export method without the (block_ids, heads) signature
+            raise KVTransferError(f"could not call the KV export of {peer_name!r}: {type(e).__name__}: {e}") from None
         try:
             blocks = ray.get(ref, timeout=timeout_s)
         except GetTimeoutError:
@@ -383,22 +691,213 @@ class RayObjectTransport(KVTransport):
                 ray.cancel(ref)  # NOTE: best effort; a running sync actor task is not interrupted
             except Exception:
                 pass
-            raise KVTransferError(f"Ray export of {len(src)} blocks from {peer_name!r} did not finish within {timeout_s} s") from None
+            raise KVTransferError(
+                f"Ray export of {len(src)} blocks from {peer_name!r} did not finish within {timeout_s} s"
+            ) from None
         except RayActorError as e:
             raise KVTransferError(f"KV source {peer_name!r} is dead or unreachable: {e}") from None
         except RayTaskError as e:
             raise KVTransferError(f"KV export from {peer_name!r} failed: {e.cause if e.cause is not None else e}") from None
+        sizes = [len(dst) * r.block_size * (hi - lo) * r.head_bytes for r in self._layouts]
+        if len(blocks) != len(sizes) or any(b.nbytes != n for b, n in zip(blocks, sizes)):
+            raise KVTransferError(
+                f"KV export from {peer_name!r} returned {[b.nbytes for b in blocks]} bytes per region, expected {sizes}"
+            )
         index = torch.tensor(dst, dtype=torch.long, device=self._regions[0].device)
+        offset = lo - self.head_span.start
         with warnings.catch_warnings():
             # NOTE: Ray hands back read-only arrays; they are only read from here.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             for region, data in zip(self._regions, blocks):
-                src = torch.from_numpy(data).view(region.dtype).reshape(len(dst), *region.shape[1:])
-                region.index_copy_(0, index, src.to(region.device))
+                shape = (len(dst), region.shape[1], hi - lo, *region.shape[3:])
+                heads_view = region[:, :, offset : offset + hi - lo]  # NOTE: a view; index_copy_ writes through it
+                heads_view.index_copy_(0, index, torch.from_numpy(data).view(region.dtype).reshape(shape).to(region.device))
 
     def close(self) -> None:
-        self._sources.clear()
         super().close()
+        self._sources.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# One rank's endpoint across TP groups
+
+
+class KVEndpoint:
+    """One rank's side of KV transfer between two engines whose TP sizes may differ.
+
+    Registers ``kv_caches`` (holding ``head_span``) with ``transport``; ``connect`` takes a
+    peer engine's per-rank metadata, plans which of its ranks serve which of our heads
+    (:func:`plan_head_reads`) and connects those ranks as ``f"{peer_id}/{rank}"``;
+    ``read`` pulls the planned heads from each. This is the object the cluster side holds
+    (duck-typed there: ``cluster/`` never imports ``serve``).
+
+    Attributes:
+        head_span: the heads this rank's cache holds.
+    """
+
+    def __init__(self, transport: KVTransport, kv_caches: KVCaches, head_span: HeadSpan | Sequence[int]) -> None:
+        self.head_span = HeadSpan.of(head_span)
+        self._transport = transport
+        transport.register(kv_caches, self.head_span)
+        self._plans: dict[str, list[tuple[int, int, int]]] = {}  # peer id -> [(rank, lo, hi)]
+
+    @property
+    def name(self) -> str:
+        """The transport's agent name."""
+        return self._transport.name
+
+    @property
+    def fail_next_reads(self) -> int:
+        """Test seam, forwarded to the transport: while positive, ``read`` decrements it and
+        raises :class:`KVTransferError` without moving anything."""
+        return self._transport.fail_next_reads
+
+    @fail_next_reads.setter
+    def fail_next_reads(self, n: int) -> None:
+        self._transport.fail_next_reads = int(n)
+
+    def metadata(self) -> bytes:
+        """This rank's transport metadata (send it to peers through Ray)."""
+        return self._transport.metadata()
+
+    def connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
+        """Connect the peer engine ``peer_id`` given its ranks' ``metadata()`` in rank order.
+
+        Idempotent per ``peer_id`` (a known peer is left as it is). Every peer rank is
+        checked for a compatible layout; only the ranks holding heads of ours are connected.
+
+        Raises:
+            ValueError: empty ``peer_metadata``, bytes that are not transport metadata, an
+                incompatible layout, or heads of ours that no peer rank holds.
+            KVTransferError: the transport could not connect a peer rank.
+        """
+        if peer_id in self._plans:
+            return
+        if not peer_metadata:
+            raise ValueError(f"peer_metadata for {peer_id!r} is empty: give every peer rank's metadata, in rank order")
+        spans = []
+        for rank, data in enumerate(peer_metadata):
+            info = _load_metadata(f"{peer_id}/{rank}", data)
+            spans.append(HeadSpan.of(info["head_span"]))
+            check_compatible(f"{peer_id}/{rank}", self._transport.layouts, self.head_span, info["layouts"], spans[-1])
+        plan = plan_head_reads(self.head_span, spans)
+        connected: list[str] = []
+        try:
+            for rank in sorted({rank for rank, _, _ in plan}):
+                self._transport.connect(f"{peer_id}/{rank}", peer_metadata[rank])
+                connected.append(f"{peer_id}/{rank}")
+        except Exception as e:
+            for name in connected:
+                self._transport.forget(name)
+            if isinstance(e, (ValueError, KVTransferError)):
+                raise
+            raise KVTransferError(f"could not connect KV peer {peer_id!r}: {type(e).__name__}: {e}") from None
+        self._plans[peer_id] = plan
+
+    def is_connected(self, peer_id: str) -> bool:
+        """Whether ``connect(peer_id, ...)`` succeeded (and no ``forget`` since)."""
+        return peer_id in self._plans
+
+    def read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
+        """Pull this rank's heads of peer blocks ``src`` into our blocks ``dst`` (pairwise)
+        from the planned peer ranks, all within ``timeout_s`` seconds; returns the bytes
+        moved (all peer ranks summed).
+
+        Raises:
+            KVTransferError: any failed transfer, an unknown peer included (a rank read
+                before the failure may have written its heads already).
+            ValueError: misuse (mismatched lengths, a destination block outside our cache,
+                a non-positive timeout).
+        """
+        plan = self._plans.get(peer_id)
+        if plan is None:
+            raise KVTransferError(f"unknown KV peer {peer_id!r}: call connect() first (known: {sorted(self._plans)})")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive (got {timeout_s})")
+        deadline = time.monotonic() + timeout_s
+        total = 0
+        for rank, lo, hi in plan:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KVTransferError(f"KV read from {peer_id!r} did not finish within {timeout_s} s (rank {rank} unread)")
+            try:
+                total += self._transport.read(f"{peer_id}/{rank}", src, dst, left, heads=(lo, hi))
+            except (KVTransferError, ValueError):
+                raise
+            except Exception as e:
+                raise KVTransferError(
+                    f"KV read of heads [{lo}, {hi}) from {peer_id}/{rank} failed: {type(e).__name__}: {e}"
+                ) from None
+        return total
+
+    def export(self, block_ids: Sequence[int], heads: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Source side of the Ray fallback (see :meth:`RayObjectTransport.export`)."""
+        if not isinstance(self._transport, RayObjectTransport):
+            raise ValueError(
+                f"export() serves the Ray fallback; endpoint {self.name!r} uses {type(self._transport).__name__}"
+            )
+        return self._transport.export(block_ids, heads)
+
+    def forget(self, peer_id: str) -> None:
+        """Drop a peer engine and its rank connections (no-op when unknown)."""
+        for rank in sorted({rank for rank, _, _ in self._plans.pop(peer_id, [])}):
+            self._transport.forget(f"{peer_id}/{rank}")
+
+    def close(self) -> None:
+        """Forget every peer and close the transport."""
+        self._plans.clear()
+        self._transport.close()
+
+
+def default_kv_transport() -> str:
+    """``"nixl"`` when the nixl package imports, else ``"ray"``."""
+    try:
+        importlib.import_module("nixl._api")
+    except Exception:  # NOTE: a broken native install fails with more than ImportError
+        return "ray"
+    return "nixl"
+
+
+@dataclass(frozen=True)
+class KVEndpointFactory:
+    """How to build one worker rank's :class:`KVEndpoint` (picklable: the cluster side
+    receives it and calls it in each worker).
+
+    Attributes:
+        kind: the transport, one of :data:`KV_TRANSPORTS`.
+        name: unique per engine incarnation (e.g. ``f"{replica_id}-{uuid8}"``); rank
+            ``r``'s transport is named ``f"{name}-rank{r}"``.
+        backend_params: NIXL UCX backend parameters as ``(key, value)`` pairs.
+        export_method: ``"ray"``: the worker actor's method that serves
+            ``endpoint.export(block_ids, heads)``.
+    """
+
+    kind: str
+    name: str
+    backend_params: tuple[tuple[str, str], ...] = ()
+    export_method: str = "kv_export"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_TRANSPORTS:
+            raise ValueError(f"kind must be one of {KV_TRANSPORTS} (got kind={self.kind!r})")
+        if not self.name:
+            raise ValueError(f"name must be a non-empty string unique per engine (got name={self.name!r})")
+
+    def __call__(self, rank: int, kv_caches: KVCaches, head_span: HeadSpan | Sequence[int]) -> KVEndpoint:
+        """Rank ``rank``'s endpoint over ``kv_caches`` (holding ``head_span``)."""
+        name = f"{self.name}-rank{rank}"
+        if self.kind == "nixl":
+            return KVEndpoint(NixlTransport(name, dict(self.backend_params)), kv_caches, head_span)
+        import ray
+
+        try:
+            actor = ray.get_runtime_context().current_actor
+        except Exception as e:
+            raise ValueError(
+                f"kind='ray' builds endpoints inside a Ray actor that serves {self.export_method!r}; "
+                f"rank {rank} is not in one ({type(e).__name__}: {e})"
+            ) from None
+        return KVEndpoint(RayObjectTransport(actor, self.export_method, name=name), kv_caches, head_span)
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,16 +13,24 @@ order of the step's sampling rows (``scheduled`` is DP-major).
 NOTE: sampling stays on the driver so a seeded request's ``torch.Generator`` (held by
 the engine, advanced once per step) keeps its state across steps; shipping it to the
 ranks would sample from a fresh copy every step.
+
+For prefill/decode disaggregation each rank holds its own KV endpoint in its actor
+(``kv_attach(factory)``); ``kv_read`` has every rank pull the KV heads it holds from the
+peer engine's ranks that hold them, so prefill and decode may differ in TP size. A group
+of one rank (``tp_size == 1``) works too: the Ray-object fallback transport needs the
+rank in an actor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from flotilla.cluster.engine.dp_scheduler import DPSchedulerOutput
+from flotilla.cluster.engine.kv_ports import check_kv_attachable
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.models.sources import ModelSource
@@ -31,6 +39,8 @@ from flotilla.resolution import ResolvedConfig
 
 # Bound on a step (and on startup) when --watchdog-timeout is not set: SGLang's default.
 DEFAULT_STEP_TIMEOUT_S = 300.0
+# Bound on closing the ranks' KV endpoints at shutdown (they are killed right after).
+KV_DETACH_TIMEOUT_S = 10.0
 
 
 def ensure_ray(num_ranks: int) -> None:
@@ -79,6 +89,7 @@ class GroupRunner:
         if config.random_seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
         self.sampler = Sampler(generator)
+        self._kv_attached = False
 
     def generator_for(self, seed: int) -> torch.Generator:
         """A fresh generator on the driver, for a request with ``seed``."""
@@ -96,6 +107,69 @@ class GroupRunner:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
         return self.sampler(logits, rows)
 
+    # -- KV transfer (prefill/decode disaggregation): one endpoint per rank, in its actor ----
+    # NOTE: every call goes through WorkerGroup.call: a rank's KVRankError (or ValueError)
+    # is re-raised naming the rank and leaves the group usable; a dead or silent rank
+    # breaks it (WorkerGroupError), so the engine fails at its next step.
+
+    def kv_attach(self, factory: Any) -> None:
+        """Build every rank's KV endpoint in its actor: ``factory(rank, kv_caches, head_span)``
+        (``factory`` is pickled to the ranks; once until :meth:`kv_detach`).
+        NotImplementedError under DCP, DP attention or attention context parallelism."""
+        topology = self.group.topology
+        check_kv_attachable(topology.dcp_size, topology.attn_dp_size, topology.attn_cp_size)
+        if self._kv_attached:
+            raise RuntimeError("KV endpoints are already attached to this group's ranks; kv_detach() before attaching others")
+        try:
+            self.group.call("kv_attach", factory)
+        except Exception:
+            # NOTE: ranks that attached before another failed close again, so a retry starts clean.
+            with contextlib.suppress(Exception):
+                self.group.call("kv_detach")
+            raise
+        self._kv_attached = True
+
+    def kv_metadata(self) -> list[bytes]:
+        """Every rank's endpoint metadata, in rank order."""
+        return self.group.call("kv_metadata")
+
+    def kv_connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
+        """Every rank connects peer engine ``peer_id`` (its ``kv_metadata()``; idempotent)."""
+        self.group.call("kv_connect", peer_id, list(peer_metadata))
+
+    def kv_read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
+        """Every rank reads its KV heads of ``peer_id``'s blocks ``src`` into blocks ``dst``;
+        returns the bytes moved, all ranks summed. KVRankError naming the rank when a rank's
+        transfer failed; WorkerGroupError when a rank died or did not answer within
+        ``timeout_s`` plus the group's RPC bound."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive (got timeout_s={timeout_s!r})")
+        src, dst = [int(b) for b in src], [int(b) for b in dst]
+        # NOTE: each rank bounds its own read by timeout_s; the wait adds the RPC bound on top so
+        # a slow transfer surfaces as that rank's KVRankError, not as a broken group.
+        bound = self.group.rpc_timeout_s + float(timeout_s)
+        return sum(self.group.call("kv_read", peer_id, src, dst, float(timeout_s), timeout_s=bound))
+
+    def kv_forget(self, peer_id: str) -> None:
+        """Every rank drops peer engine ``peer_id``."""
+        self.group.call("kv_forget", peer_id)
+
+    def kv_set_fail_next_reads(self, n: int) -> None:
+        """Test seam: every rank's next ``n`` reads fail without moving anything."""
+        self.group.call("kv_set_fail_next_reads", n)
+
+    def kv_detach(self) -> None:
+        """Close every rank's KV endpoint (idempotent)."""
+        self.group.call("kv_detach")
+        self._kv_attached = False
+
     def shutdown(self) -> None:
-        """Stop every rank (idempotent); the Ray cluster itself stays up."""
+        """Close the KV endpoints (best effort: a broken group is killed as it is), then stop
+        every rank (idempotent); the Ray cluster itself stays up."""
+        if self._kv_attached:
+            self._kv_attached = False
+            try:
+                self.group.call("kv_detach", timeout_s=min(self.group.rpc_timeout_s, KV_DETACH_TIMEOUT_S))
+            except Exception:  # noqa: BLE001 - the ranks are killed next anyway
+                pass
         self.group.shutdown()

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv_attachable
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.engine.weight_packing import pack_linear_layers
@@ -98,13 +99,14 @@ class ModelRunner:
         parallel: ParallelLayout | None = None,
     ):
         self.config = config
+        self.parallel = parallel or ParallelLayout()
         self.device = torch.device(config.device or "cpu")
         self.model = load_model(
             source,
             config.dtype or "auto",
             device=self.device,
             attention_backend=kernel_backend_for(config),
-            parallel=parallel or ParallelLayout(),
+            parallel=self.parallel,
             load_format=config.load_format or "auto",
             num_redundant_experts=int(config.ep_num_redundant_experts or 0),
         )
@@ -112,7 +114,7 @@ class ModelRunner:
             pack_linear_layers(self.model)
         self.vocab_size = int(source.config_dict["vocab_size"])
         spec = self.model.kv_cache_spec()
-        dcp_size = (parallel or ParallelLayout()).dcp_size
+        dcp_size = self.parallel.dcp_size
         if dcp_size > 1 and not any(getattr(m, "supports_dcp", False) for m in self.model.modules()):
             raise NotImplementedError(
                 f"dcp_size={dcp_size} is not supported for {type(self.model).__name__}: decode context "
@@ -130,6 +132,8 @@ class ModelRunner:
         if config.random_seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
         self.sampler = Sampler(generator)
+        # This rank's KV endpoint for prefill/decode disaggregation (see kv_attach).
+        self.kv_port = KVPort(self.parallel.tp_rank)
 
     def _kv_cache_tokens(self, bytes_per_token: int, dcp_size: int = 1) -> int:
         """Cache rows this rank holds. ``--max-total-tokens`` counts the engine's (logical)
@@ -218,3 +222,57 @@ class ModelRunner:
             meta,
             torch.tensor(sample_index, dtype=torch.long, device=device),
         )
+
+    # -- KV transfer (prefill/decode disaggregation; one rank, the endpoint in this process) --
+
+    def kv_head_span(self) -> tuple[int, int, int]:
+        """``(start, count, total)``: the global KV heads this rank's cache holds on axis 2 of
+        each cache tensor (the model's layout; MLA: ``(0, 1, 1)``, replicated)."""
+        span = getattr(self.model, "kv_head_span", None)
+        if span is None:
+            raise NotImplementedError(f"{type(self.model).__name__} does not report its KV head span (kv_head_span())")
+        return tuple(int(x) for x in span())
+
+    def kv_attach(self, factory: KVEndpointFactory, rank: int | None = None) -> None:
+        """Build this rank's KV endpoint: ``factory(rank, kv_caches, kv_head_span())`` (once,
+        until :meth:`kv_detach`). ``rank`` names the endpoint (a worker's group rank; this
+        runner's TP rank when None). NotImplementedError under DCP or DP attention."""
+        check_kv_attachable(self.parallel.dcp_size, self.parallel.dp_size)
+        if rank is not None and not self.kv_port.attached:
+            self.kv_port.rank = rank
+        self.kv_port.attach(factory, self.kv_caches, self.kv_head_span())
+
+    def kv_metadata(self) -> list[bytes]:
+        """The endpoint's metadata, one entry per rank (one here)."""
+        return [self.kv_port.metadata()]
+
+    def kv_connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
+        """Connect the peer engine ``peer_id`` (its ``kv_metadata()``; idempotent per peer)."""
+        self.kv_port.connect(peer_id, peer_metadata)
+
+    def kv_read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
+        """Pull this rank's KV heads of ``peer_id``'s blocks ``src`` into blocks ``dst``
+        (pairwise); returns the bytes moved. KVRankError (naming the rank) on a transfer
+        failure, ValueError on misuse."""
+        # NOTE: the cache tensors are inference tensors; a CPU copy into them needs inference mode.
+        with torch.inference_mode():
+            return self.kv_port.read(peer_id, src, dst, timeout_s)
+
+    def kv_export(self, block_ids: Sequence[int], heads: tuple[int, int] | None = None):
+        """Source side of the Ray fallback: the blocks' bytes (``heads``: global ``[lo, hi)``)."""
+        return self.kv_port.export(block_ids, heads)
+
+    def kv_forget(self, peer_id: str) -> None:
+        self.kv_port.forget(peer_id)
+
+    def kv_set_fail_next_reads(self, n: int) -> None:
+        """Test seam: the next ``n`` reads fail without moving anything."""
+        self.kv_port.set_fail_next_reads(n)
+
+    def kv_detach(self) -> None:
+        """Close the KV endpoint (idempotent)."""
+        self.kv_port.detach()
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the KV endpoint (idempotent)."""
+        self.kv_detach()

@@ -295,6 +295,10 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
         width = self.config.get("kv_lora_rank") + self.config.get("qk_rope_head_dim")
         return KVCacheSpec(num_layers=len(self.layers), tensors_per_layer=((1, width),), dtype=self.config.dtype)
 
+    def kv_head_span(self) -> tuple[int, int, int]:
+        """``(0, 1, 1)``: the MLA latent cache has one "head", replicated on every TP rank."""
+        return 0, 1, 1
+
     def hf_target(self, name: str) -> Any:
         layer = _LAYER_INDEX.match(name)
         if layer and int(layer.group(1)) >= self.num_layers:

@@ -126,6 +126,19 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     return 1
 
 
+def kv_head_span(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """``(start, count, total)``: the global KV heads rank ``tp_rank`` holds, as
+    :class:`QKVParallelLinear` lays them out (a contiguous slice of ``num_kv_heads / tp``
+    heads, or with fewer KV heads than ranks the one head ``tp_rank // (tp / num_kv_heads)``).
+    The head axis of this rank's K and V cache tensors holds exactly these heads, in order."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+    count = kv_heads_per_rank(num_kv_heads, tp_size)
+    if num_kv_heads >= tp_size:
+        return tp_rank * count, count, num_kv_heads
+    return tp_rank // (tp_size // num_kv_heads), 1, num_kv_heads
+
+
 class QKVParallelLinear(MergedColumnParallelLinear):
     """The stacked ``[q; k; v]`` projection with heads split across ranks.
 

@@ -28,6 +28,7 @@ from flotilla.cluster.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
+    kv_head_span,
     kv_heads_per_rank,
 )
 from flotilla.kernels import registry
@@ -186,6 +187,12 @@ class DenseDecoderForCausalLM(nn.Module):
         s = self.settings
         per_token = (kv_heads_per_rank(s.num_kv_heads, self.config.parallel.tp_size), s.head_dim)
         return KVCacheSpec(num_layers=s.num_layers, tensors_per_layer=(per_token, per_token), dtype=self.config.dtype)
+
+    def kv_head_span(self) -> tuple[int, int, int]:
+        """``(start, count, total)``: the global KV heads this rank's K and V caches hold
+        (axis 2 of each cache tensor), see :func:`~flotilla.cluster.models.layers.kv_head_span`."""
+        parallel = self.config.parallel
+        return kv_head_span(self.settings.num_kv_heads, parallel.tp_size, parallel.tp_rank)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (``model.layers.N.self_attn.q_proj.weight``, ...).

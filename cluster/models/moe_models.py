@@ -21,6 +21,7 @@ from flotilla.cluster.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
+    kv_head_span,
 )
 from flotilla.cluster.models.llama import RMSNorm  # noqa: F401  (shared with deepseek.py)
 from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
@@ -289,6 +290,13 @@ class _GQAMoELM(DecoderOnlyLM):
         attn = self.layers[0].self_attn
         shape = (attn.num_kv_heads, attn.head_dim)
         return KVCacheSpec(num_layers=len(self.layers), tensors_per_layer=(shape, shape), dtype=self.config.dtype)
+
+    def kv_head_span(self) -> tuple[int, int, int]:
+        """``(start, count, total)``: the global KV heads this rank's K and V caches hold
+        (a contiguous ``num_kv_heads / tp`` slice; :class:`GQAttention` splits them evenly)."""
+        cfg = self.config
+        total = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads")))
+        return kv_head_span(total, cfg.parallel.tp_size, cfg.parallel.tp_rank)
 
 
 def _neox_rotary(cfg: ModelConfig) -> "RotaryEmbedding":

@@ -1,0 +1,352 @@
+"""The runner KV protocol (``kv_attach`` / ``kv_metadata`` / ``kv_connect`` / ``kv_read`` / ...)
+on the in-process ModelRunner and on GroupRunner worker groups (real Ray actors on loopback,
+real NIXL over UCX and the Ray-object fallback, tiny random Llamas).
+
+Each handoff prefills a prompt on one engine (``hold_kv``), reads its KV blocks into another
+engine's cache through ``runner.kv_read`` under ``policy="fail"`` (a failed read raises, it is
+never silently recomputed) and decodes there: the greedy tokens must equal a colocated
+engine's, and the bytes read must be exactly the decode ranks' KV heads of the copied blocks.
+Heterogeneous TP: a tp=1 rank holds both KV heads of the GQA model and a tp=2 rank one, so a
+tp=1 -> tp=2 read takes one head of the peer's two, and tp=2 -> tp=1 gathers one head from each
+peer rank; the MQA model (one KV head) is replicated on both ranks at tp=2.
+
+Exact token equality needs no tolerance: the tiny models' logits are spread far above
+float32 summation noise (see ``save_tiny_llama``), sharded reductions included.
+"""
+
+import time
+import uuid
+from contextlib import contextmanager
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from flotilla.cluster.distributed import Communicator  # noqa: E402
+from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
+from flotilla.cluster.engine.kv_handoff import KVHandoffError, decode_prefilled, handoff, prefill, release_prefill  # noqa: E402
+from flotilla.cluster.engine.kv_ports import KVRankError, check_kv_attachable  # noqa: E402
+from flotilla.cluster.engine.llm_engine import LLMEngine  # noqa: E402
+from flotilla.cluster.engine.model_runner import ModelRunner  # noqa: E402
+from flotilla.cluster.engine.sampling_params import SamplingParams  # noqa: E402
+from flotilla.cluster.group import WorkerGroupError  # noqa: E402
+from flotilla.cluster.models.base import ParallelLayout  # noqa: E402
+from flotilla.cluster.models.layers import kv_head_span  # noqa: E402
+from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
+from flotilla.serve.kv_transfer import KVEndpointFactory  # noqa: E402
+from helpers.prompts import random_prompts  # noqa: E402
+from helpers.tiny_deepseek import save_tiny_deepseek_v2  # noqa: E402
+from helpers.torch_threads import one_intra_op_thread  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPT_LENS = (5, 17, 40)  # under one block, two blocks, three blocks (of 16 tokens)
+READ_TIMEOUT_S = 20.0
+
+
+def save_tiny_mqa_llama(path):
+    """The tiny Llama of ``save_tiny_llama`` with ONE KV head (4 query heads): at tp=2 both
+    ranks hold that head (replicated)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+
+
+def resolved(source, **flags):
+    args = ServerArgs.create(model_path=str(source.path), max_total_tokens=512, **flags)
+    return resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu"))
+
+
+def make_engine(path, tp_size: int | None = None) -> LLMEngine:
+    """An engine over ``path``: in process (ModelRunner) when ``tp_size`` is None, else on a
+    GroupRunner of ``tp_size`` worker actors (one actor at tp_size=1)."""
+    source = resolve_model_source(path)
+    config = resolved(source, tp_size=tp_size or 1)
+    runner = ModelRunner(config, source) if tp_size is None else GroupRunner(config, source)
+    return LLMEngine(config, source, runner=runner)
+
+
+def finish(engine, request_id):
+    while not engine.get_output(request_id).finished:
+        engine.step()
+    return engine.pop_output(request_id).outputs[0].token_ids
+
+
+def world(engine) -> int:
+    return len(engine.runner.group.actors) if isinstance(engine.runner, GroupRunner) else 1
+
+
+@contextmanager
+def attached(kind, *engines):
+    """Fresh endpoints of ``kind`` on every engine's runner (unique names); detached at exit.
+    Yields each engine's peer id (its factory's name)."""
+    tag = uuid.uuid4().hex[:8]
+    names = [f"{kind}-{i}-{tag}" for i in range(len(engines))]
+    try:
+        for engine, name in zip(engines, names):
+            engine.runner.kv_attach(KVEndpointFactory(kind, name))
+        yield names
+    finally:
+        for engine in engines:
+            engine.runner.kv_detach()
+
+
+def hand_off(prefiller, prefill_id, decoder, prompt, policy="fail"):
+    """Prefill ``prompt`` on ``prefiller``, read its blocks into ``decoder`` with
+    ``decoder.runner.kv_read`` and decode; returns ``(tokens, [(blocks, bytes) per read])``."""
+    decoder.runner.kv_connect(prefill_id, prefiller.runner.kv_metadata())
+    reads = []
+
+    def copy(src, dst):
+        reads.append((len(dst), decoder.runner.kv_read(prefill_id, src, dst, READ_TIMEOUT_S)))
+
+    _, decode_id = handoff(prefiller, decoder, prompt, copy, GREEDY, policy=policy)
+    return finish(decoder, decode_id), reads
+
+
+def assert_handoffs_match(prefiller, prefill_id, decoder, prompts, expected):
+    """Every prompt's handoff gives the colocated tokens, after one read of all its blocks
+    that moved exactly the decode ranks' KV (every rank its own heads, every layer, K and V)."""
+    block_bytes = decoder.runner.kv_layout.block_size * decoder.runner.kv_layout.bytes_per_token * world(decoder)
+    for prompt, want in zip(prompts, expected):
+        tokens, reads = hand_off(prefiller, prefill_id, decoder, prompt)
+        assert tokens == want
+        blocks = -(-len(prompt) // 16)
+        assert reads == [(blocks, blocks * block_bytes)]
+        assert decoder.scheduler.pool.num_used_blocks == 0 and prefiller.scheduler.num_held_blocks == 0
+
+
+class Reference:
+    """Greedy tokens of a colocated in-process engine, memoised per prompt."""
+
+    def __init__(self, path):
+        self.engine = make_engine(path)
+        self.tokens = {}
+
+    def __call__(self, prompts):
+        for p in prompts:
+            if tuple(p) not in self.tokens:
+                self.tokens[tuple(p)] = finish(self.engine, self.engine.add_request(p, GREEDY))
+        return [self.tokens[tuple(p)] for p in prompts]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The driver's in-process engines run on one intra-op thread (see one_intra_op_thread)."""
+    with one_intra_op_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def gqa(tiny_llama_prompts):
+    """``(path, reference)``: the tiny Llama with 2 KV heads (4 query heads)."""
+    path, _ = tiny_llama_prompts
+    return path, Reference(path)
+
+
+@pytest.fixture(scope="module")
+def mqa(tmp_path_factory):
+    """``(path, reference)``: the tiny Llama with 1 KV head."""
+    path = str(tmp_path_factory.mktemp("tiny-mqa-llama"))
+    save_tiny_mqa_llama(path)
+    return path, Reference(path)
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster, gqa):
+    """GroupRunner engines of the GQA model at tp=2 and tp=1 (no endpoints attached)."""
+    engines = [make_engine(gqa[0], tp_size=2), make_engine(gqa[0], tp_size=1)]
+    yield engines
+    for engine in engines:
+        engine.runner.shutdown()
+
+
+# ---- head spans --------------------------------------------------------------------------
+
+
+def test_kv_head_span_follows_the_qkv_layout():
+    assert kv_head_span(2, 1, 0) == (0, 2, 2)
+    assert [kv_head_span(2, 2, r) for r in range(2)] == [(0, 1, 2), (1, 1, 2)]
+    assert [kv_head_span(8, 4, r) for r in range(4)] == [(0, 2, 8), (2, 2, 8), (4, 2, 8), (6, 2, 8)]
+    # Fewer KV heads than ranks: each head replicated on tp / Hkv consecutive ranks.
+    assert [kv_head_span(2, 4, r) for r in range(4)] == [(0, 1, 2), (0, 1, 2), (1, 1, 2), (1, 1, 2)]
+    assert [kv_head_span(1, 2, r) for r in range(2)] == [(0, 1, 1), (0, 1, 1)]
+    with pytest.raises(ValueError, match="tp_rank=2"):
+        kv_head_span(2, 2, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        kv_head_span(3, 2, 0)
+
+
+def test_runners_report_their_head_spans(gqa, mqa, tmp_path):
+    assert gqa[1].engine.runner.kv_head_span() == (0, 2, 2)
+    assert mqa[1].engine.runner.kv_head_span() == (0, 1, 1)
+    save_tiny_deepseek_v2(tmp_path)
+    source = resolve_model_source(str(tmp_path))
+    assert ModelRunner(resolved(source), source, pack_weights=False).kv_head_span() == (0, 1, 1)  # MLA: replicated
+
+
+# ---- handoffs -----------------------------------------------------------------------------
+
+
+def test_in_process_runners_hand_off_through_nixl(gqa):
+    path, reference = gqa
+    prompts = random_prompts(PROMPT_LENS, 256, seed=11)
+    prefiller, decoder = make_engine(path), make_engine(path)
+    with attached("nixl", prefiller, decoder) as (prefill_id, _):
+        assert len(prefiller.runner.kv_metadata()) == 1
+        assert_handoffs_match(prefiller, prefill_id, decoder, prompts, reference(prompts))
+    prefiller.runner.shutdown()
+    decoder.runner.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["nixl", "ray"])
+def test_group_runners_hand_off_across_tp_sizes(groups, gqa, kind):
+    tp2, tp1 = groups
+    reference = gqa[1]
+    # NOTE: fresh prompts per transport: a prompt already in a decode engine's prefix cache
+    # would copy fewer blocks.
+    seed = 20 if kind == "nixl" else 30
+    down, up = random_prompts(PROMPT_LENS, 256, seed=seed), random_prompts(PROMPT_LENS, 256, seed=seed + 1)
+    with attached(kind, tp2, tp1) as (tp2_id, tp1_id):
+        assert len(tp2.runner.kv_metadata()) == 2 and len(tp1.runner.kv_metadata()) == 1
+        # tp=2 -> tp=1: the one decode rank gathers head 0 from rank 0 and head 1 from rank 1.
+        assert_handoffs_match(tp2, tp2_id, tp1, down, reference(down))
+        # tp=1 -> tp=2: each decode rank takes its own head of the one prefill rank's two.
+        assert_handoffs_match(tp1, tp1_id, tp2, up, reference(up))
+
+
+def test_a_replicated_kv_head_hands_off_between_in_process_and_group_runners(ray_cluster, mqa):
+    """One KV head (Hkv < tp): both tp=2 ranks hold it; an in-process runner talks to a group."""
+    path, reference = mqa
+    local, group = make_engine(path), make_engine(path, tp_size=2)
+    try:
+        with attached("nixl", local, group) as (local_id, group_id):
+            down = random_prompts(PROMPT_LENS, 256, seed=41)
+            assert_handoffs_match(group, group_id, local, down, reference(down))
+            up = random_prompts(PROMPT_LENS, 256, seed=42)
+            assert_handoffs_match(local, local_id, group, up, reference(up))
+    finally:
+        group.runner.shutdown()
+        local.runner.shutdown()
+
+
+# ---- failures -----------------------------------------------------------------------------
+
+
+def test_a_failed_read_names_the_rank_and_leaves_the_group_working(groups, gqa):
+    tp2, tp1 = groups
+    reference = gqa[1]
+    prompts = random_prompts(PROMPT_LENS, 256, seed=51)
+    expected = reference(prompts)
+    with attached("nixl", tp1, tp2) as (tp1_id, _):
+        tp2.runner.kv_connect(tp1_id, tp1.runner.kv_metadata())
+
+        def copy(src, dst):
+            tp2.runner.kv_read(tp1_id, src, dst, READ_TIMEOUT_S)
+
+        # Only rank 1 fails its next read: the error names it; rank 0 read fine.
+        ray.get(tp2.runner.group.actors[1].kv_set_fail_next_reads.remote(1), timeout=30)
+        result = prefill(tp1, prompts[2], GREEDY)
+        with pytest.raises(KVHandoffError, match=r"KVRankError: KV transfer on rank 1 failed: .*injected"):
+            decode_prefilled(tp2, result, copy, GREEDY, policy="fail")
+        assert tp2.runner.group._error is None and tp2.scheduler.pool.num_used_blocks == 0
+        # The same held blocks are read again, and the group decodes on.
+        assert finish(tp2, decode_prefilled(tp2, result, copy, GREEDY, policy="fail")) == expected[2]
+        release_prefill(tp1, result)
+
+        # The runner's seam fails every rank's next read; under "recompute" the prompt is computed here.
+        tp2.runner.kv_set_fail_next_reads(1)
+        result = prefill(tp1, prompts[1], GREEDY)
+        with pytest.raises(KVRankError, match="rank 0.*injected"):  # the lowest failing rank is named
+            copy(result.block_ids, list(range(len(result.block_ids))))  # (moves nothing: injected)
+        tp2.runner.kv_set_fail_next_reads(1)
+        assert finish(tp2, decode_prefilled(tp2, result, copy, GREEDY, policy="recompute")) == expected[1]
+        release_prefill(tp1, result)
+
+        # An unknown peer is each rank's KV error too, not a broken group.
+        with pytest.raises(KVRankError, match="rank 0.*nobody"):
+            tp2.runner.kv_read("nobody", [0], [0], READ_TIMEOUT_S)
+        assert finish(tp2, tp2.add_request(prompts[0], GREEDY)) == expected[0]
+        assert tp2.runner.group._error is None and tp2.dead is None
+
+
+def test_a_dead_rank_breaks_the_group(ray_cluster, gqa):
+    engine = make_engine(gqa[0], tp_size=1)
+    runner = engine.runner
+    try:
+        runner.kv_attach(KVEndpointFactory("nixl", f"dead-{uuid.uuid4().hex[:8]}"))
+        with pytest.raises(RuntimeError, match="already attached"):
+            runner.kv_attach(KVEndpointFactory("nixl", f"again-{uuid.uuid4().hex[:8]}"))
+        assert len(runner.kv_metadata()) == 1  # the first endpoints are untouched
+        ray.kill(runner.group.actors[0], no_restart=True)
+        # NOTE: ray.kill returns before the actor is gone; a call may still be served meanwhile.
+        deadline = time.monotonic() + 30
+        with pytest.raises(WorkerGroupError, match="rank 0 failed: its actor died"):
+            while time.monotonic() < deadline:
+                runner.kv_metadata()
+        # Broken for good: every later call raises the same error, the engine fails its step.
+        with pytest.raises(WorkerGroupError, match="rank 0"):
+            runner.kv_read("x", [0], [0], READ_TIMEOUT_S)
+        request_id = engine.add_request([5, 6, 7], GREEDY)
+        engine.step()
+        assert engine.dead is not None and engine.get_output(request_id).outputs[0].finish_reason == "error"
+    finally:
+        runner.shutdown()  # closing the endpoints of a broken group is best effort: no raise
+
+
+# ---- attach rules -------------------------------------------------------------------------
+
+
+def test_kv_attach_refuses_layouts_it_cannot_serve(gqa, tmp_path):
+    with pytest.raises(NotImplementedError, match="dcp_size=2"):
+        check_kv_attachable(dcp_size=2, attn_dp_size=1)
+    with pytest.raises(NotImplementedError, match="DP attention.*dp_size=2"):
+        check_kv_attachable(dcp_size=1, attn_dp_size=2)
+    with pytest.raises(NotImplementedError, match="attn_cp_size=2"):
+        check_kv_attachable(dcp_size=1, attn_dp_size=1, attn_cp_size=2)
+    factory = KVEndpointFactory("nixl", f"refused-{uuid.uuid4().hex[:8]}")
+
+    source = resolve_model_source(gqa[0])
+    dp_runner = ModelRunner(resolved(source), source, pack_weights=False, parallel=ParallelLayout(dp_size=2))
+    with pytest.raises(NotImplementedError, match="DP attention"):
+        dp_runner.kv_attach(factory)
+    assert not dp_runner.kv_port.attached
+
+    save_tiny_deepseek_v2(tmp_path)
+    source = resolve_model_source(str(tmp_path))
+    layout = ParallelLayout(tp_size=2, dcp_size=2, comms={"dcp": Communicator.single()})
+    dcp_runner = ModelRunner(resolved(source, tp_size=2, dcp_size=2), source, pack_weights=False, parallel=layout)
+    with pytest.raises(NotImplementedError, match="decode context parallelism.*dcp_size=2"):
+        dcp_runner.kv_attach(factory)
+    assert not dcp_runner.kv_port.attached
+
+
+def test_kv_attach_once_and_shutdown_closes_the_endpoint(gqa):
+    runner = make_engine(gqa[0]).runner
+    with pytest.raises(RuntimeError, match="rank 0: no KV endpoint attached; call kv_attach"):
+        runner.kv_read("peer", [0], [0], READ_TIMEOUT_S)
+    runner.kv_attach(KVEndpointFactory("nixl", f"once-{uuid.uuid4().hex[:8]}"))
+    with pytest.raises(RuntimeError, match="already attached"):
+        runner.kv_attach(KVEndpointFactory("nixl", f"twice-{uuid.uuid4().hex[:8]}"))
+    with pytest.raises(ValueError, match="n must be a non-negative int"):
+        runner.kv_set_fail_next_reads(-1)
+    assert runner.kv_metadata()[0]
+    runner.shutdown()
+    assert not runner.kv_port.attached
+    with pytest.raises(RuntimeError, match="kv_attach"):
+        runner.kv_metadata()
+    # Detached, it may attach a fresh endpoint.
+    runner.kv_attach(KVEndpointFactory("nixl", f"again-{uuid.uuid4().hex[:8]}"))
+    runner.shutdown()
