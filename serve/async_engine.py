@@ -20,22 +20,44 @@ Threading design (the one invariant: only the engine thread ever touches the LLM
 Text comes from the engine's own incremental detokenizer and stop-string matching (the
 engine holds the tokenizer); ``stream_interval > 1`` (``--stream-interval``) batches that
 many tokens per chunk, except the first chunk and finishes, which go out at once.
+
+Prefill/decode disaggregation (:mod:`flotilla.serve.pd`) adds three commands, applied on
+the same thread:
+
+- :meth:`AsyncEngine.prefill` runs the prompt with ``max_tokens=1`` and ``hold_kv=True``;
+  when it finishes the thread grants a :class:`~flotilla.serve.kv_transfer.BlockLeases`
+  lease on its blocks and answers a :class:`PrefillOutcome`. A lease ends by
+  :meth:`AsyncEngine.release_kv` or by expiring: the idle thread wakes for the next
+  deadline, so blocks of a reader that never came back are freed on time.
+- :meth:`AsyncEngine.generate_prefilled` (decode side) connects the runner to the
+  ticket's KV peer (once per peer id), then ``LLMEngine.add_prefilled_request`` reads the
+  prefill blocks through ``runner.kv_read`` (timed and counted in the ``kv_transfer``
+  metrics) and streams like :meth:`AsyncEngine.generate`.
+- Small calls (release, the ``fail_next_reads`` test seam) run as :class:`_Call` s.
+
+No error path leaks a block or leaves a caller waiting: a prefill whose caller leaves
+is aborted (or its lease released, when it already finished), a failed prefill frees
+its blocks, a decode stream whose consumer leaves is aborted, and a dying engine
+answers every queued command and frees every lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
+from flotilla.cluster.engine.kv_handoff import KVHandoffError, check_policy
 from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
 from flotilla.cluster.engine.outputs import CompletionDelta
 from flotilla.cluster.engine.request import RequestStatus
+from flotilla.serve.kv_transfer import BlockLeases
 from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.types import (
     CompletionChunk,
@@ -43,6 +65,7 @@ from flotilla.serve.types import (
     EngineUnavailableError,
     GenerateChunk,
     GenerateRequest,
+    PrefillTicket,
     ReplicaLoad,
 )
 
@@ -54,6 +77,14 @@ IDLE_WAIT_S = 1.0
 RECENT_PREFIX_KEYS = 256
 # How long shutdown() waits for the engine thread to finish its step.
 SHUTDOWN_WAIT_S = 60.0
+# KV peers (prefill engine incarnations) a decode engine stays connected to; the least
+# recently used one is forgotten beyond this (a restarted prefill replica is a new peer).
+MAX_KV_PEERS = 64
+# The decode side reads a ticket's blocks only while the request is younger than this
+# fraction of the ticket's lease (the lease started after the request's arrival, so a
+# younger request's lease has not expired; the rest is margin for the read itself and
+# for clock skew between nodes). Older: the KV counts as lost (the failure policy applies).
+LEASE_READ_FRACTION = 0.9
 
 
 @dataclass(eq=False)
@@ -74,8 +105,93 @@ class _Add:
 
 
 @dataclass(eq=False)
+class _Prefill(_Add):
+    """Prefill side: run the prompt for one token and hold its KV under a lease."""
+
+    lease_s: float = 0.0
+
+
+@dataclass(eq=False)
+class _AddPrefilled(_Add):
+    """Decode side: a request whose prompt's KV is read from ``ticket``'s peer."""
+
+    ticket: PrefillTicket | None = None
+    policy: str = "recompute"
+    timeout_s: float = 30.0
+
+
+@dataclass(eq=False)
 class _Abort:
     engine_id: str
+
+
+@dataclass(eq=False)
+class _Call:
+    """Run ``fn()`` on the engine thread; its result (or exception) goes to ``stream``."""
+
+    fn: Callable[[], Any]
+    stream: _Stream
+
+
+_Command = _Add | _Abort | _Call
+
+
+@dataclass
+class PrefillOutcome:
+    """What :meth:`AsyncEngine.prefill` computed: a prompt whose KV blocks the prefill
+    engine holds under a lease (the engine side of a
+    :class:`~flotilla.serve.types.PrefillTicket`).
+
+    Attributes:
+        prefill_request_id: the engine's id for the held blocks (release them under it).
+        first_token: the token sampled after the prompt.
+        block_ids: the blocks holding the prompt's KV, in position order.
+        finish_reason: ``"length"`` (decoding goes on elsewhere) or ``"stop"`` (the first
+            token ends the completion).
+        chunk: the prefill's final chunk (the first token, its text, usage).
+    """
+
+    prefill_request_id: str
+    first_token: int
+    block_ids: list[int]
+    finish_reason: str
+    chunk: GenerateChunk
+
+    def ticket(
+        self, request: GenerateRequest, replica_id: str, peer_id: str, peer_metadata: list[bytes], lease_s: float
+    ) -> PrefillTicket:
+        """The :class:`PrefillTicket` a decode engine needs, for ``request`` prefilled by
+        replica ``replica_id`` whose KV endpoint is ``peer_id`` (``peer_metadata``: per rank)."""
+        return PrefillTicket(
+            request_id=request.request_id,
+            prefill_request_id=self.prefill_request_id,
+            replica_id=replica_id,
+            peer_id=peer_id,
+            peer_metadata=list(peer_metadata),
+            prompt_token_ids=list(request.prompt_token_ids),
+            first_token=self.first_token,
+            block_ids=list(self.block_ids),
+            finish_reason=self.finish_reason,
+            chunk=self.chunk,
+            lease_s=lease_s,
+        )
+
+
+class KVTransferExpired(RuntimeError):
+    """A ticket's blocks were not read: the request is too old for its lease to be sure
+    to hold (see :data:`LEASE_READ_FRACTION`); the failure policy applies."""
+
+
+def takes_handoff(params: Any) -> bool:
+    """Whether a KV handoff can carry a request with these sampling parameters: one
+    completion and no logprobs (``LLMEngine.add_prefilled_request``'s limits)."""
+    return params.n == 1 and params.logprobs is None
+
+
+def ends_at_first_token(request: GenerateRequest, ticket: PrefillTicket) -> bool:
+    """Whether the ticket's chunk is the request's whole answer: the first token ended
+    the completion (a stop) or it was the only token asked for."""
+    return ticket.finish_reason == "stop" or request.params.max_tokens == 1
 
 
 @dataclass(eq=False)
@@ -104,6 +220,11 @@ class AsyncEngine:
             this many; beyond, :meth:`generate` raises :class:`EngineOverloadedError`.
         replica_id: the ``replica`` label of the metrics.
         retry_after_s: the ``Retry-After`` hint of :class:`EngineOverloadedError`.
+        pool: the ``pool`` label of the metrics (``colocated``, ``prefill``, ``decode``).
+
+    The PD commands (:meth:`prefill`, :meth:`generate_prefilled`) need a runner with a KV
+    endpoint attached (``runner.kv_attach``; :class:`~flotilla.serve.engine_replica.EngineReplica`
+    does it in the ``prefill`` and ``decode`` pools).
     """
 
     def __init__(
@@ -113,6 +234,7 @@ class AsyncEngine:
         *,
         replica_id: str = "0",
         retry_after_s: int = 1,
+        pool: str = "colocated",
     ):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise ValueError(
@@ -123,12 +245,12 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.retry_after_s = retry_after_s
         self.stream_interval = max(1, int(getattr(engine.config, "stream_interval", 1) or 1))
-        self.metrics = EngineMetrics(replica_id)
+        self.metrics = EngineMetrics(replica_id, pool)
         self._ids = itertools.count()
         self._cond = threading.Condition()
         # Guarded by _cond: the command list, adds not yet reflected in the snapshot, the
         # snapshot (running, waiting, kv usage), and the life flags.
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Command] = []
         self._queued_adds = 0
         self._snapshot: tuple[int, int, float] = (0, 0, 0.0)
         self._dead: str | None = None
@@ -137,8 +259,14 @@ class AsyncEngine:
         # Engine-thread state.
         self._live: dict[str, _Live] = {}
         self._unscheduled: set[str] = set()
-        self._orphans: list[_Add] = []
+        self._orphans: list[_Command] = []
         self._prefix_seen = (0, 0)
+        # Engine-thread state of the KV handoff. NOTE: BlockLeases holds the leased blocks;
+        # the deadlines are kept here too, so the idle thread knows when to wake.
+        self._leases = BlockLeases()
+        self._lease_deadlines: dict[str, float] = {}
+        self._leased_blocks = 0
+        self._kv_peers: OrderedDict[str, None] = OrderedDict()
         self._publish_load(0)
         self._thread = threading.Thread(target=self._run, name=f"flotilla-engine-{replica_id}", daemon=True)
         self._thread.start()
@@ -152,10 +280,14 @@ class AsyncEngine:
         max_queued_requests: int = 256,
         *,
         replica_id: str = "0",
+        runner: Any = None,
+        pool: str = "colocated",
     ) -> "AsyncEngine":
         """Build the :class:`LLMEngine` (``config``: the ResolvedConfig, ``source``: the
-        ModelSource, ``tokenizer``: an HF tokenizer or None) and drive it."""
-        return cls(LLMEngine(config, source, tokenizer), max_queued_requests, replica_id=replica_id)
+        ModelSource, ``tokenizer``: an HF tokenizer or None, ``runner``: a prebuilt model
+        runner or None) and drive it."""
+        engine = LLMEngine(config, source, tokenizer, runner=runner)
+        return cls(engine, max_queued_requests, replica_id=replica_id, pool=pool)
 
     # -- the asyncio side ------------------------------------------------------------
 
@@ -168,8 +300,98 @@ class AsyncEngine:
         down). Closing or cancelling the iteration early aborts the request; the engine
         thread frees its KV blocks before its next step.
         """
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        engine_id, stream = self._enqueue(request, _Add)
+        async for chunk in self._chunks(engine_id, stream):
+            yield chunk
+
+    async def prefill(self, request: GenerateRequest, lease_s: float) -> PrefillOutcome:
+        """Compute the prompt's KV and first token, and hold the KV blocks for a decode
+        engine to read (prefill side of a KV handoff).
+
+        The request runs with ``n=1`` and ``max_tokens=1`` (its other sampling parameters
+        as given); its blocks stay held under a lease of ``lease_s`` seconds, until
+        :meth:`release_kv` or the lease expires. Raises like :meth:`generate` (``ValueError``,
+        :class:`EngineOverloadedError`, :class:`EngineUnavailableError`, also when the
+        engine dies meanwhile). Cancelling the call aborts the prefill (or releases its
+        blocks, when it finished already).
+        """
+        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not lease_s > 0:
+            raise ValueError(f"lease_s must be a positive number of seconds (got lease_s={lease_s!r})")
+        params = dataclasses.replace(request.params, n=1, max_tokens=1)
+        engine_id, stream = self._enqueue(dataclasses.replace(request, params=params), _Prefill, lease_s=float(lease_s))
+        answered = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    answered = True
+                    raise item
+                if isinstance(item, PrefillOutcome):
+                    answered = True
+                    return item
+                if item.finished:
+                    # NOTE: a final chunk instead of an outcome: the engine died under it.
+                    answered = True
+                    raise EngineUnavailableError(f"the prefill failed: {item.error or 'the engine stopped'}")
+        finally:
+            if not answered:
+                self._submit(_Abort(engine_id))
+
+    async def release_kv(self, prefill_request_id: str) -> bool:
+        """End the lease of a :meth:`prefill` and free its blocks; False when there is
+        none (never granted, released already, expired, or the engine is gone)."""
+        try:
+            return await self._call(lambda: self._release_lease(str(prefill_request_id)))
+        except EngineUnavailableError:
+            return False
+
+    async def generate_prefilled(
+        self, request: GenerateRequest, ticket: PrefillTicket, policy: str = "recompute", timeout_s: float = 30.0
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream a request whose prompt a prefill engine computed (decode side of a KV
+        handoff): the engine allocates blocks, reads the ticket's blocks from its peer
+        (``runner.kv_read``, bounded by ``timeout_s``), takes the ticket's first token as
+        the completion's first and decodes on. Chunks, errors and aborts as :meth:`generate`.
+
+        When the connect or the read fails, ``policy`` decides: ``"recompute"`` computes the
+        prompt here (the stream shows no error; ``kv_transfer_failures_total`` counts it),
+        ``"fail"`` raises :class:`~flotilla.cluster.engine.kv_handoff.KVHandoffError` before
+        any chunk. A request older than :data:`LEASE_READ_FRACTION` of the ticket's lease
+        (from its ``arrival_time``) is not read at all (its blocks may be gone) and goes
+        through the policy the same way.
+        When the ticket already answers the request (:func:`ends_at_first_token`) its chunk
+        is the stream. Requests a handoff cannot carry (``n > 1``, ``logprobs``) run here as
+        ordinary requests, prompt included; the ticket is not used.
+        """
+        check_policy(policy)
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds (got timeout_s={timeout_s!r})")
+        if not takes_handoff(request.params):
+            async for chunk in self.generate(request):
+                yield chunk
+            return
+        if list(ticket.prompt_token_ids) != list(request.prompt_token_ids):
+            raise ValueError(
+                f"ticket: the ticket of request {ticket.request_id!r} holds another prompt than request "
+                f"{request.request_id!r} ({len(ticket.prompt_token_ids)} vs {len(request.prompt_token_ids)} tokens)"
+            )
+        if ends_at_first_token(request, ticket):
+            self.metrics.record_finished(ticket.finish_reason or "length")
+            yield ticket.chunk
+            return
+        engine_id, stream = self._enqueue(
+            request, _AddPrefilled, ticket=ticket, policy=policy, timeout_s=float(timeout_s)
+        )
+        async for chunk in self._chunks(engine_id, stream):
+            yield chunk
+
+    async def kv_set_fail_next_reads(self, n: int) -> None:
+        """Test seam: make the runner's next ``n`` KV reads fail (on every local rank)."""
+        await self._call(lambda: self.engine.runner.kv_set_fail_next_reads(int(n)))
+
+    def _enqueue(self, request: GenerateRequest, kind: type[_Add], **extra: Any) -> tuple[str, _Stream]:
+        """Queue an add command of ``kind`` under the queue bound; its id and stream."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         engine_id = f"{request.request_id}~{next(self._ids)}"
         now = time.monotonic()
         arrival = request.arrival_time if request.arrival_time and request.arrival_time > 0 else time.time()
@@ -183,13 +405,17 @@ class AsyncEngine:
                     self.retry_after_s,
                 )
             self._queued_adds += 1
-            self._commands.append(_Add(engine_id, request, stream, now, arrival))
+            self._commands.append(kind(engine_id, request, stream, now, arrival, **extra))
             if request.prefix_key is not None:
                 self._prefix_keys[request.prefix_key] = None
                 self._prefix_keys.move_to_end(request.prefix_key)
                 if len(self._prefix_keys) > RECENT_PREFIX_KEYS:
                     self._prefix_keys.popitem(last=False)
             self._cond.notify()
+        return engine_id, stream
+
+    async def _chunks(self, engine_id: str, stream: _Stream) -> AsyncIterator[GenerateChunk]:
+        """The chunks of a queued request until its last; aborts it when left early."""
         finished = False
         try:
             while True:
@@ -205,6 +431,19 @@ class AsyncEngine:
             if not finished:
                 # NOTE: the consumer left (aclose, cancellation, a dropped connection).
                 self._submit(_Abort(engine_id))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on the engine thread between steps; raises what it raised, or
+        :class:`EngineUnavailableError` when the engine is (or goes) down first."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._cond:
+            self._raise_if_unavailable()
+            self._commands.append(_Call(fn, stream))
+            self._cond.notify()
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def load(self) -> ReplicaLoad:
         """The replica's load for the router; ``waiting`` counts adds not yet applied."""
@@ -240,7 +479,8 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = SHUTDOWN_WAIT_S) -> None:
         """Stop the engine thread (in-flight requests get a final ``"error"`` chunk, queued
-        ones :class:`EngineUnavailableError`) and release the runner's workers; idempotent."""
+        ones :class:`EngineUnavailableError`, leases are released), close the runner's KV
+        endpoints and release its workers; idempotent."""
         with self._cond:
             already = self._stopping
             self._stopping = True
@@ -248,6 +488,7 @@ class AsyncEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
         if not already:
+            # NOTE: the runner's shutdown closes its KV endpoints too (runner.kv_detach).
             stop = getattr(self.engine.runner, "shutdown", None)
             if stop is not None:
                 stop()
@@ -275,6 +516,8 @@ class AsyncEngine:
                 self._apply(commands)
                 if commands or self.engine.has_unfinished_requests():
                     self._step()
+                if self._lease_deadlines:
+                    self._expire_leases()
                 if self.engine.dead is not None:
                     self._die(str(self.engine.dead))
                     return
@@ -284,36 +527,62 @@ class AsyncEngine:
             return
         self._die("the engine replica shut down", dead=False)
 
-    def _next_commands(self) -> list[_Add | _Abort] | None:
-        """The commands queued since the last call (waiting while idle); None on shutdown."""
+    def _next_commands(self) -> list[_Command] | None:
+        """The commands queued since the last call (waiting while idle, but no later than
+        the next lease deadline); None on shutdown."""
         with self._cond:
             while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
-                self._cond.wait(IDLE_WAIT_S)
+                wait_s = IDLE_WAIT_S
+                if self._lease_deadlines:
+                    due_in = min(self._lease_deadlines.values()) - time.monotonic()
+                    if due_in <= 0:
+                        break
+                    wait_s = min(wait_s, due_in)
+                self._cond.wait(wait_s)
             if self._stopping:
                 return None
             commands, self._commands = self._commands, []
             return commands
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, commands: list[_Command]) -> None:
         adds = 0
         for index, command in enumerate(commands):
             try:
                 if isinstance(command, _Add):
                     adds += 1
                     self._add(command)
+                elif isinstance(command, _Call):
+                    self._answer(command)
                 elif command.engine_id in self._live:
                     self.engine.abort(command.engine_id)
+                elif command.engine_id in self._lease_deadlines:
+                    # NOTE: a prefill whose caller left after it finished: nobody will read it.
+                    self._release_lease(command.engine_id)
             except Exception:
-                # NOTE: the loop dies; the adds not applied yet must still get an answer.
-                self._orphans = [c for c in commands[index + 1 :] if isinstance(c, _Add)]
+                # NOTE: the loop dies; the commands not applied yet must still get an answer.
+                self._orphans = [c for c in commands[index + 1 :] if isinstance(c, (_Add, _Call))]
                 raise
         self._publish_load(adds)
+
+    def _answer(self, command: _Call) -> None:
+        try:
+            result: Any = command.fn()
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine is untouched
+            result = exc
+        self._deliver([("", command.stream, result)])
 
     def _add(self, command: _Add) -> None:
         request = command.request
         try:
-            self.engine.add_request(request.prompt_token_ids, request.params, request_id=command.engine_id)
-        except ValueError as exc:
+            if isinstance(command, _AddPrefilled):
+                self._add_prefilled(command)
+            else:
+                hold_kv = isinstance(command, _Prefill)
+                self.engine.add_request(
+                    request.prompt_token_ids, request.params, request_id=command.engine_id, hold_kv=hold_kv
+                )
+        except (ValueError, KVHandoffError, NotImplementedError) as exc:
+            # NOTE: bad input, or a failed KV load under policy "fail": nothing was queued.
             self._deliver([(command.engine_id, command.stream, exc)])
             return
         except EngineDeadError as exc:
@@ -331,6 +600,118 @@ class AsyncEngine:
         self._live[command.engine_id] = _Live(command, children)
         self._unscheduled.add(command.engine_id)
 
+    # -- the KV handoff (engine thread) ----------------------------------------------------
+
+    def _add_prefilled(self, command: _AddPrefilled) -> None:
+        """Queue a prefilled request: connect to its peer, then let the engine copy the
+        blocks in (``policy`` applies to a failed connect as to a failed read)."""
+        request, ticket = command.request, command.ticket
+        try:
+            self._connect_peer(ticket.peer_id, ticket.peer_metadata)
+        except Exception as exc:  # noqa: BLE001 - any connect failure goes through the policy
+            self.metrics.kv_transfer_failures.inc()
+            logger.warning(
+                "replica %s: connecting to KV peer %r failed (%s: %s)",
+                self.metrics.replica_id, ticket.peer_id, type(exc).__name__, exc,
+            )
+            if command.policy == "fail":
+                raise KVHandoffError(
+                    f"request {request.request_id!r}: connecting to the prefill replica's KV endpoint "
+                    f"{ticket.peer_id!r} failed ({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
+                ) from exc
+            self.engine.add_request(request.prompt_token_ids, request.params, request_id=command.engine_id)
+            return
+
+        def copy_blocks(src: list[int], dst: list[int]) -> None:
+            # NOTE: blocks past their lease may be freed and reused on the prefill side:
+            # reading them would decode from someone else's KV without an error.
+            age_s = time.time() - command.arrival_wall
+            if age_s >= LEASE_READ_FRACTION * ticket.lease_s:
+                self.metrics.kv_transfer_failures.inc()
+                raise KVTransferExpired(
+                    f"request {request.request_id!r} arrived {age_s:.1f} s ago: the prefill replica's "
+                    f"{ticket.lease_s} s lease on its KV blocks may have ended; not reading them"
+                )
+            self._read_blocks(ticket.peer_id, src, dst, command.timeout_s)
+
+        self.engine.add_prefilled_request(
+            request.prompt_token_ids,
+            ticket.first_token,
+            ticket.block_ids,
+            copy_blocks,
+            request.params,
+            request_id=command.engine_id,
+            policy=command.policy,
+        )
+
+    def _connect_peer(self, peer_id: str, peer_metadata: list[bytes]) -> None:
+        """Connect the runner to a prefill engine's KV endpoint, once per peer id."""
+        if peer_id in self._kv_peers:
+            self._kv_peers.move_to_end(peer_id)
+            return
+        self.engine.runner.kv_connect(peer_id, list(peer_metadata))
+        self._kv_peers[peer_id] = None
+        while len(self._kv_peers) > MAX_KV_PEERS:
+            old, _ = self._kv_peers.popitem(last=False)
+            try:
+                self.engine.runner.kv_forget(old)
+            except Exception:  # noqa: BLE001 - a peer that cannot be forgotten costs memory only
+                logger.debug("replica %s: forgetting KV peer %r failed", self.metrics.replica_id, old, exc_info=True)
+
+    def _read_blocks(self, peer_id: str, src: list[int], dst: list[int], timeout_s: float) -> None:
+        """``copy_blocks`` of a KV handoff: ``runner.kv_read``, timed and counted."""
+        if not src:
+            return
+        started = time.monotonic()
+        try:
+            moved = self.engine.runner.kv_read(peer_id, list(src), list(dst), timeout_s)
+        except Exception as exc:
+            self.metrics.kv_transfer_failures.inc()
+            logger.warning(
+                "replica %s: reading %d KV blocks from peer %r failed (%s: %s)",
+                self.metrics.replica_id, len(src), peer_id, type(exc).__name__, exc,
+            )
+            raise
+        self.metrics.record_kv_transfer(int(moved or 0), time.monotonic() - started)
+
+    def _finish_prefill(self, command: _Prefill, chunk: GenerateChunk) -> PrefillOutcome | Exception:
+        """A prefill finished: lease its blocks and answer the outcome, or free them and
+        answer the error."""
+        completion = next((c for c in chunk.completions if c.index == 0), None)
+        reason = None if completion is None else completion.finish_reason
+        blocks = self.engine.held_kv_blocks(command.engine_id)
+        if reason in ("length", "stop") and blocks and completion.token_ids:
+            self._leases.grant(command.engine_id, blocks, command.lease_s)
+            # NOTE: taken after grant(), so this deadline is never before BlockLeases' own.
+            self._lease_deadlines[command.engine_id] = time.monotonic() + command.lease_s
+            self._leased_blocks += len(blocks)
+            return PrefillOutcome(command.engine_id, completion.token_ids[0], blocks, reason, chunk)
+        self.engine.release_kv(command.engine_id)
+        return EngineUnavailableError(
+            f"the prefill of request {command.request.request_id!r} ended with {reason!r}: {chunk.error or 'no token'}"
+        )
+
+    def _release_lease(self, prefill_request_id: str) -> bool:
+        """End a lease and free its blocks; False when there is none."""
+        self._lease_deadlines.pop(prefill_request_id, None)
+        blocks = self._leases.release(prefill_request_id)
+        if blocks is None:
+            return False
+        self._leased_blocks -= len(blocks)
+        released = self.engine.release_kv(prefill_request_id)
+        self._publish_load(0)
+        return released
+
+    def _expire_leases(self) -> None:
+        """Free the blocks of every lease past its deadline (nobody read and released them)."""
+        now = time.monotonic()
+        for prefill_request_id in [r for r, due in self._lease_deadlines.items() if due <= now]:
+            logger.warning(
+                "replica %s: the KV lease of %s expired unreleased; freeing its blocks",
+                self.metrics.replica_id, prefill_request_id,
+            )
+            self._release_lease(prefill_request_id)
+
     def _step(self) -> None:
         started = time.monotonic()
         deltas = self.engine.step()
@@ -345,7 +726,11 @@ class AsyncEngine:
             if live is None:
                 continue
             chunk = self._absorb(live, request_deltas, now, wall)
-            if chunk is not None:
+            if chunk is not None and isinstance(live.add, _Prefill):
+                # NOTE: a prefill answers once, when it finished, with its outcome.
+                if chunk.finished:
+                    out.append((engine_id, live.add.stream, self._finish_prefill(live.add, chunk)))
+            elif chunk is not None:
                 out.append((engine_id, live.add.stream, chunk))
         self._record_prefix_cache()
         self._publish_load(0)
@@ -441,7 +826,8 @@ class AsyncEngine:
             self._queued_adds -= adds_applied
             self._snapshot = snapshot
             queued = self._queued_adds
-        self.metrics.set_load(snapshot[0], snapshot[1] + queued, snapshot[2])
+        self.metrics.set_load(snapshot[0], snapshot[1] + queued, snapshot[2], scheduler.pool.num_used_blocks)
+        self.metrics.kv_transfer_leased_blocks.set(self._leased_blocks)
 
     def _die(self, reason: str, dead: bool = True) -> None:
         """Fail every request still held and every queued add; refuse new requests."""
@@ -455,6 +841,13 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 out.append((command.engine_id, command.stream, EngineUnavailableError(reason)))
+            elif isinstance(command, _Call):
+                out.append(("", command.stream, EngineUnavailableError(reason)))
+        for prefill_request_id in list(self._lease_deadlines):
+            try:
+                self._release_lease(prefill_request_id)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the leases end anyway
+                self._lease_deadlines.pop(prefill_request_id, None)
         for engine_id, live in list(self._live.items()):
             try:
                 self.engine.abort(engine_id)
@@ -491,6 +884,8 @@ class AsyncEngine:
                 for engine_id, _, _ in batch:
                     if engine_id in self._live:
                         self.engine.abort(engine_id)
+                    elif engine_id in self._lease_deadlines:
+                        self._release_lease(engine_id)
 
 
 def _put_all(batch: list[tuple[str, asyncio.Queue, Any]]) -> None:

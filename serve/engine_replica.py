@@ -13,6 +13,14 @@ construct it directly. Inside Serve:
 - Every :data:`~flotilla.serve.metrics.PUSH_INTERVAL_S` a background task pushes the
   replica's metrics to the namespace's :class:`~flotilla.serve.metrics.MetricsHub`, where
   the ingress collects them (:func:`~flotilla.serve.metrics.collect_metrics_text`).
+
+Under prefill/decode disaggregation (:mod:`flotilla.serve.pd`) a replica has a role, its
+``pool``: ``prefill`` replicas answer :meth:`EngineReplica.prefill` with a
+:class:`~flotilla.serve.types.PrefillTicket` and free the blocks on
+:meth:`EngineReplica.release_kv`; ``decode`` replicas stream
+:meth:`EngineReplica.generate_prefilled`. Both attach a KV endpoint to every rank of their
+runner (:class:`~flotilla.serve.kv_transfer.KVEndpointFactory`, named uniquely per
+replica incarnation: a restarted replica is a new KV peer).
 """
 
 from __future__ import annotations
@@ -23,14 +31,15 @@ import dataclasses
 import logging
 import os
 import sys
+import uuid
 from typing import Any, AsyncIterator
 
 from flotilla.cluster.models.sources import ModelSource, resolve_model_source
 from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 from flotilla.resolution import ResolvedConfig
 from flotilla.serve.async_engine import AsyncEngine
-from flotilla.serve.metrics import push_metrics_forever
-from flotilla.serve.types import GenerateChunk, GenerateRequest, ServeOptions
+from flotilla.serve.metrics import POOLS, push_metrics_forever
+from flotilla.serve.types import GenerateChunk, GenerateRequest, PrefillTicket, ReplicaPin, ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +49,16 @@ class EngineReplica:
 
     Args:
         config: the resolved configuration (resolved once by the driver).
-        options: serving options (``model``, ``max_queued_requests``).
-        replica_id: the metrics' ``replica`` label (default: Serve's replica tag inside a
-            Serve replica, else ``local-<pid>``).
+        options: serving options (``model``, ``max_queued_requests``; in PD roles also
+            ``kv_transport``, ``kv_lease_s``, ``kv_load_failure_policy``,
+            ``kv_transfer_timeout_s``).
+        pool: the replica's role, one of :data:`~flotilla.serve.metrics.POOLS`:
+            ``"colocated"`` (default), ``"prefill"`` or ``"decode"``. PD roles run the
+            model's one rank in this process with NIXL at ``tp_size`` 1, else on a worker
+            group (``tp_size`` > 1, or ``kv_transport="ray"``, whose source ranks must be
+            actors the reader can call), and attach a KV endpoint to every rank.
+        replica_id: the metrics' ``replica`` label and the ticket's ``replica_id``
+            (default: Serve's replica tag inside a Serve replica, else ``local-<pid>``).
         push_metrics: push metrics to the hub (default: only inside a Serve replica).
     """
 
@@ -51,22 +67,62 @@ class EngineReplica:
         config: ResolvedConfig,
         options: ServeOptions,
         *,
+        pool: str = "colocated",
         replica_id: str | None = None,
         push_metrics: bool | None = None,
     ):
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS} (got pool={pool!r})")
         serve_id = _serve_replica_id()
         self.replica_id = replica_id or serve_id or f"local-{os.getpid()}"
-        self.config, self.options = config, options
+        self.config, self.options, self.pool = config, options, pool
         model = options.model if options.model is not None else config.model_path
         self.source: ModelSource = resolve_model_source(model)
-        tokenizer = None if config.skip_tokenizer_init else load_tokenizer_or_none(self.source, config.tokenizer_path)[0]
-        self.engine = AsyncEngine.from_config(
-            config, self.source, tokenizer, options.max_queued_requests, replica_id=self.replica_id
-        )
+        tokenizer = None
+        if not config.skip_tokenizer_init:
+            tokenizer = load_tokenizer_or_none(self.source, config.tokenizer_path)[0]
+        # The KV peer this replica is to decode replicas (PD roles only).
+        self.kv_peer_id: str | None = None
+        self.kv_metadata: list[bytes] = []
+        runner = None if pool == "colocated" else self._kv_runner()
+        try:
+            self.engine = AsyncEngine.from_config(
+                config, self.source, tokenizer, options.max_queued_requests,
+                replica_id=self.replica_id, runner=runner, pool=pool,
+            )
+        except BaseException:
+            if runner is not None:
+                with contextlib.suppress(Exception):
+                    runner.shutdown()
+            raise
         self._push_task: asyncio.Task | None = None
         if push_metrics if push_metrics is not None else serve_id is not None:
             self._start_pushing_metrics()
-        logger.info("engine replica %s serves %s", self.replica_id, self.source.path)
+        logger.info("engine replica %s (pool %s) serves %s", self.replica_id, pool, self.source.path)
+
+    def _kv_runner(self) -> Any:
+        """The model runner of a PD role, with a KV endpoint on every rank."""
+        from flotilla.serve.kv_transfer import KVEndpointFactory
+        from flotilla.serve.pd import ranks_in_replica
+
+        factory = KVEndpointFactory(kind=self.options.kv_transport, name=f"{self.replica_id}-{uuid.uuid4().hex[:8]}")
+        if ranks_in_replica(self.config, self.options, self.pool):
+            from flotilla.cluster.engine.model_runner import ModelRunner
+
+            runner = ModelRunner(self.config, self.source)
+        else:
+            from flotilla.cluster.engine.group_runner import GroupRunner
+
+            runner = GroupRunner(self.config, self.source)
+        try:
+            runner.kv_attach(factory)
+            self.kv_metadata = list(runner.kv_metadata())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                runner.shutdown()  # NOTE: closes the endpoints and stops the workers
+            raise
+        self.kv_peer_id = factory.name
+        return runner
 
     def _start_pushing_metrics(self) -> None:
         try:
@@ -84,6 +140,51 @@ class EngineReplica:
         async with contextlib.aclosing(self.engine.generate(request)) as stream:
             async for chunk in stream:
                 yield chunk
+
+    async def prefill(self, request: GenerateRequest) -> PrefillTicket:
+        """Compute the prompt's KV and first token and hold the blocks under a lease of
+        ``options.kv_lease_s`` (see :meth:`AsyncEngine.prefill` for the errors); the
+        ticket names this replica and its KV peer."""
+        peer_id = self._require_kv_peer("prefill")
+        outcome = await self.engine.prefill(request, self.options.kv_lease_s)
+        return outcome.ticket(request, self.replica_id, peer_id, self.kv_metadata, self.options.kv_lease_s)
+
+    async def release_kv(self, pin: ReplicaPin, prefill_request_id: str) -> bool:
+        """Free the blocks a :meth:`prefill` holds; False when ``pin`` names another
+        replica (the pinned one died and the router sent the call elsewhere) or nothing
+        is held under ``prefill_request_id`` (released already, or the lease expired)."""
+        if pin.replica_id != self.replica_id:
+            logger.info(
+                "engine replica %s: release of %s pinned to replica %s; its lease frees the blocks",
+                self.replica_id, prefill_request_id, pin.replica_id,
+            )
+            return False
+        return await self.engine.release_kv(prefill_request_id)
+
+    async def generate_prefilled(self, request: GenerateRequest, ticket: PrefillTicket) -> AsyncIterator[GenerateChunk]:
+        """Stream a request prefilled by ``ticket``'s replica, reading its KV blocks under
+        ``options.kv_load_failure_policy`` and ``options.kv_transfer_timeout_s`` (see
+        :meth:`AsyncEngine.generate_prefilled`; ``n`` > 1 and logprobs run whole here)."""
+        self._require_kv_peer("generate_prefilled")
+        stream = self.engine.generate_prefilled(
+            request, ticket, self.options.kv_load_failure_policy, self.options.kv_transfer_timeout_s
+        )
+        async with contextlib.aclosing(stream) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def kv_set_fail_next_reads(self, n: int) -> None:
+        """Test seam: the next ``n`` KV reads of this (decode) replica fail."""
+        self._require_kv_peer("kv_set_fail_next_reads")
+        await self.engine.kv_set_fail_next_reads(n)
+
+    def _require_kv_peer(self, method: str) -> str:
+        if self.kv_peer_id is None:
+            raise RuntimeError(
+                f"engine replica {self.replica_id} is in pool {self.pool!r}: {method}() needs a replica built with "
+                "pool='prefill' or pool='decode' (--disaggregation-mode pd)"
+            )
+        return self.kv_peer_id
 
     def record_routing_stats(self) -> dict[str, Any]:
         """The replica's :class:`ReplicaLoad` as a plain dict (for the request router)."""

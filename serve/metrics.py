@@ -3,7 +3,8 @@
 Each engine replica records into its own :class:`EngineMetrics`, which owns a private
 ``CollectorRegistry`` (never prometheus_client's global one, so several engines in one
 process, as in tests, never collide). Names mirror vLLM's under the ``flotilla:`` prefix,
-and every series carries a ``replica`` label:
+and every series carries a ``replica`` label and a ``pool`` label (the replica's role:
+``colocated``, or ``prefill`` / ``decode`` under prefill/decode disaggregation):
 
 - histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``;
@@ -11,7 +12,13 @@ and every series carries a ``replica`` label:
   (a fraction in [0, 1], as vLLM reports it despite the name);
 - counters ``prompt_tokens_total``, ``generation_tokens_total``,
   ``request_success_total{finished_reason}``, ``prefix_cache_queries_total`` and
-  ``prefix_cache_hits_total`` (both in prompt tokens).
+  ``prefix_cache_hits_total`` (both in prompt tokens);
+- KV handoff (prefill/decode disaggregation): gauges ``kv_cache_used_blocks`` (blocks
+  referenced by requests or held for a handoff, not merely cached) and
+  ``kv_transfer_leased_blocks`` (prefill side: blocks held under a lease for a decode
+  replica to read); on the decode side the counters ``kv_transfer_bytes_total`` and
+  ``kv_transfer_failures_total`` and the histogram ``kv_transfer_seconds`` (one
+  observation per successful read of a prompt's blocks).
 
 Replicas are separate actors, so the ingress cannot read their registries. Each replica
 pushes its exposition text to :class:`MetricsHub`, one small named Ray actor per
@@ -48,6 +55,10 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# The ``pool`` label's values: a replica's role in the application.
+POOLS = ("colocated", "prefill", "decode")
 
 
 class EngineMetrics:
@@ -58,21 +69,26 @@ class EngineMetrics:
 
     Args:
         replica_id: the value of the ``replica`` label on every series.
+        pool: the value of the ``pool`` label on every series, one of :data:`POOLS`.
     """
 
-    def __init__(self, replica_id: str):
+    def __init__(self, replica_id: str, pool: str = "colocated"):
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS} (got pool={pool!r})")
         self.replica_id = str(replica_id)
+        self.pool = pool
         self.registry = CollectorRegistry(auto_describe=True)
-        reg, rid = self.registry, self.replica_id
+        reg, labels = self.registry, {"replica": self.replica_id, "pool": pool}
+        names = list(labels)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(PREFIX + name, doc, ["replica"], buckets=buckets, registry=reg).labels(replica=rid)
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=reg).labels(**labels)
 
         def gauge(name: str, doc: str):
-            return Gauge(PREFIX + name, doc, ["replica"], registry=reg).labels(replica=rid)
+            return Gauge(PREFIX + name, doc, names, registry=reg).labels(**labels)
 
         def counter(name: str, doc: str):
-            return Counter(PREFIX + name, doc, ["replica"], registry=reg).labels(replica=rid)
+            return Counter(PREFIX + name, doc, names, registry=reg).labels(**labels)
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
@@ -97,22 +113,45 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.kv_cache_used_blocks = gauge(
+            "kv_cache_used_blocks",
+            "KV cache blocks referenced by requests or held for a KV handoff (not merely cached).",
+        )
+        self.kv_transfer_leased_blocks = gauge(
+            "kv_transfer_leased_blocks",
+            "KV cache blocks held under a lease for a decode replica to read (prefill side).",
+        )
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Bytes of KV cache read from prefill replicas.")
+        self.kv_transfer_failures = counter(
+            "kv_transfer_failures", "KV reads from prefill replicas that failed (connect, timeout, transport error)."
+        )
+        self.kv_transfer_seconds = histogram(
+            "kv_transfer_seconds", "Seconds one successful read of a prompt's KV blocks took.", _KV_TRANSFER_BUCKETS
+        )
+        self._labels = labels
         self._request_success = Counter(
             PREFIX + "request_success",
             "Finished completions, by finish reason (stop, length, abort, error).",
-            ["replica", "finished_reason"],
+            names + ["finished_reason"],
             registry=reg,
         )
 
     def record_finished(self, finished_reason: str) -> None:
         """Count one finished completion."""
-        self._request_success.labels(replica=self.replica_id, finished_reason=finished_reason).inc()
+        self._request_success.labels(**self._labels, finished_reason=finished_reason).inc()
 
-    def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
-        """Set the load gauges."""
+    def record_kv_transfer(self, num_bytes: int, seconds: float) -> None:
+        """Count one successful KV read of ``num_bytes`` that took ``seconds``."""
+        self.kv_transfer_bytes.inc(num_bytes)
+        self.kv_transfer_seconds.observe(seconds)
+
+    def set_load(self, running: int, waiting: int, kv_usage: float, used_blocks: int | None = None) -> None:
+        """Set the load gauges (``used_blocks``: ``kv_cache_used_blocks``, left as is when None)."""
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
         self.kv_cache_usage.set(kv_usage)
+        if used_blocks is not None:
+            self.kv_cache_used_blocks.set(used_blocks)
 
     def exposition(self) -> str:
         """This replica's metrics in the Prometheus text format."""
@@ -134,10 +173,10 @@ def merge_expositions(texts: Iterable[str]) -> str:
 
     Each metric family appears once (HELP and TYPE of the first text that has it) with
     the samples of every text. Samples are told apart by their labels (the ``replica``
-    label); if two texts carry the very same sample (name and labels), the later one wins.
-    A family whose type disagrees with the first one seen is dropped (and logged), since one
-    exposition cannot give a name two types. Raises ValueError for a text that does not
-    parse.
+    and ``pool`` labels); if two texts carry the very same sample (name and labels), the
+    later one wins. A family whose type disagrees with the first one seen is dropped (and
+    logged), since one exposition cannot give a name two types. Raises ValueError for a
+    text that does not parse.
     """
     families: dict[str, Any] = {}
     samples: dict[str, dict[tuple, Any]] = {}

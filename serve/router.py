@@ -19,6 +19,11 @@ sends the request to the first replica in that ranking with room under
 The fresh count decides the load when the router has one; the reported load (which lags
 by a stats period) stands in when it has none, and the report's KV usage breaks ties.
 
+A call with a :class:`~flotilla.serve.types.ReplicaPin` among its arguments (the release
+of a prefill replica's KV blocks, which only that replica holds) goes to the pinned
+replica alone while it is a candidate; when it is not (it died), the call is ranked as
+usual and the receiving replica sees that the pin is not its own.
+
 The policy itself is plain functions over :class:`Candidate` values, unit-tested without
 Ray; the two ``RequestRouter`` subclasses only translate Serve's objects into candidates.
 Deployments name a router by import path (``ROUTER_CLASSES``).
@@ -33,7 +38,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from flotilla.serve.types import GenerateRequest, ReplicaLoad
+from flotilla.serve.types import GenerateRequest, ReplicaLoad, ReplicaPin
 
 # How far the replica holding a prompt's prefix may be busier than the least-loaded
 # replica before prefix affinity gives way to load: it may hold up to
@@ -234,6 +239,28 @@ def generate_request_of(pending: PendingRequest | None) -> GenerateRequest | Non
     return None
 
 
+def replica_pin_of(pending: PendingRequest | None) -> ReplicaPin | None:
+    """The :class:`ReplicaPin` among a pending Serve request's arguments, if any."""
+    if pending is None:
+        return None
+    for value in list(pending.args) + list(pending.kwargs.values()):
+        if isinstance(value, ReplicaPin):
+            return value
+    return None
+
+
+def pinned_replica(replica_ids: Sequence[Hashable], pin: ReplicaPin | None) -> Hashable | None:
+    """The id among ``replica_ids`` that ``pin`` names, or None (no pin, or the pinned
+    replica is not a candidate). Serve's ``ReplicaID`` matches by its ``unique_id``
+    (the replica tag); a plain id by equality."""
+    if pin is None:
+        return None
+    for replica_id in replica_ids:
+        if getattr(replica_id, "unique_id", replica_id) == pin.replica_id:
+            return replica_id
+    return None
+
+
 # -- the Serve routers (thin shells) -----------------------------------------------------
 
 
@@ -268,7 +295,13 @@ class LeastLoadedRouter(RequestRouter):
         self._ensure_state()
         self.in_flight.expire()
         by_id = {r.replica_id: r for r in candidate_replicas}
-        order = self._rank([self._candidate(r) for r in candidate_replicas], generate_request_of(pending_request))
+        pinned = pinned_replica(list(by_id), replica_pin_of(pending_request))
+        if pinned is not None:
+            # NOTE: only the pinned replica holds what the call is about; when it is busy,
+            # Serve waits for it rather than sending the call elsewhere.
+            order = [pinned]
+        else:
+            order = self._rank([self._candidate(r) for r in candidate_replicas], generate_request_of(pending_request))
         if pending_request is not None and order:
             self._assigned(pending_request, order[0], confirmed=False)
             # NOTE: every candidate is ranked already, so when all are at

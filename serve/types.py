@@ -131,6 +131,54 @@ class EngineUnavailableError(RuntimeError):
         return (EngineUnavailableError, (str(self),))
 
 
+@dataclass(frozen=True)
+class ReplicaPin:
+    """Routes a call to one replica of a deployment: the engine routers send a call that
+    has a ``ReplicaPin`` among its arguments to the replica whose Serve id (the replica
+    tag, ``ReplicaID.unique_id``) is ``replica_id`` while it is among the candidates; when
+    it is not (it died), the call is ranked as usual and the receiving replica sees that
+    the pin is not its own."""
+
+    replica_id: str
+
+
+@dataclass
+class PrefillTicket:
+    """A prompt computed by a prefill replica whose KV blocks wait, under a lease, for a
+    decode replica to read them (prefill/decode disaggregation, :mod:`flotilla.serve.pd`).
+
+    Attributes:
+        request_id: the ingress's request id.
+        prefill_request_id: the prefill engine's id for the held blocks (release them under it).
+        replica_id: the prefill replica's Serve id (the :class:`ReplicaPin` of the release).
+        peer_id: the prefill engine's KV peer name, unique per replica incarnation (the
+            decode side connects once per peer id and caches the connection).
+        peer_metadata: per prefill rank (rank order), the transport metadata of its KV
+            endpoint (``serve.kv_transfer.KVEndpoint.metadata``).
+        prompt_token_ids: the prompt.
+        first_token: the token the prefill sampled after the prompt.
+        block_ids: the prefill engine's blocks holding the prompt's KV, in position order.
+        finish_reason: the prefill completion's reason: ``"length"`` (max_tokens 1 reached
+            on the prefill side; decoding goes on) or ``"stop"`` (the first token ends the
+            completion: nothing to decode).
+        chunk: the prefill's own final chunk (the first token and its text, usage); the
+            answer when the request ends at its first token.
+        lease_s: how long the prefill side holds the blocks without a release.
+    """
+
+    request_id: str
+    prefill_request_id: str
+    replica_id: str
+    peer_id: str
+    peer_metadata: list[bytes]
+    prompt_token_ids: list[int]
+    first_token: int
+    block_ids: list[int]
+    finish_reason: str | None
+    chunk: GenerateChunk
+    lease_s: float
+
+
 class EngineClient(Protocol):
     """How the ingress talks to the engine: through a Serve handle in the deployed app
     (:mod:`flotilla.serve.app`), or to an in-process :class:`~flotilla.serve.async_engine.AsyncEngine`
@@ -165,6 +213,17 @@ class ServeOptions:
         max_body_bytes: the largest request body accepted (413 beyond).
         api_key: Bearer key required on every endpoint but ``/health`` (None: open).
         replica_num_cpus: CPUs each engine replica actor reserves.
+        disaggregation_mode: ``"null"`` (one colocated engine pool) or ``"pd"`` (a prefill
+            pool and a decode pool; ``--disaggregation-mode pd``).
+        prefill_replicas, decode_replicas: pool sizes in PD mode.
+        kv_transport: how KV blocks move in PD mode: ``"nixl"`` (UCX; DRAM on CPU, VRAM on
+            GPU) or ``"ray"`` (the Ray-object fallback for machines without NIXL).
+        kv_load_failure_policy: what a decode replica does when the prompt's KV cannot be
+            loaded: ``"recompute"`` (compute the prompt itself; the client sees no error)
+            or ``"fail"`` (the request fails with a clear error). vLLM's name.
+        kv_lease_s: how long a prefill replica holds a prompt's blocks for the decode
+            replica to read them before freeing them itself.
+        kv_transfer_timeout_s: bound on one KV read on the decode side.
     """
 
     model: str | None = None
@@ -175,3 +234,10 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
     replica_num_cpus: float = 0.5
+    disaggregation_mode: str = "null"
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    kv_transport: str = "nixl"
+    kv_load_failure_policy: str = "recompute"
+    kv_lease_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0

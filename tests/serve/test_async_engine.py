@@ -97,7 +97,7 @@ async def wait_until(predicate, what):
 
 
 def sample(engine: AsyncEngine, name, **labels):
-    value = engine.metrics.registry.get_sample_value(name, {"replica": "r0", **labels})
+    value = engine.metrics.registry.get_sample_value(name, {"replica": "r0", "pool": "colocated", **labels})
     return 0.0 if value is None else value
 
 
@@ -343,7 +343,7 @@ def test_engine_replica_built_without_serve(model_dir):
         assert chunks[-1].finished and chunks[-1].completion_tokens == 12
         stats = replica.record_routing_stats()
         assert stats == {"running": 0, "waiting": 0, "kv_usage": 0.0, "max_queued": 8, "prefix_keys": (99,)}
-        assert 'flotilla:generation_tokens_total{replica="rep-1"} 12.0' in text
+        assert 'flotilla:generation_tokens_total{pool="colocated",replica="rep-1"} 12.0' in text
         replica.engine.shutdown()
         with pytest.raises(RuntimeError, match="rep-1 is unhealthy"):
             asyncio.run(replica.check_health())

@@ -1,9 +1,12 @@
 """The routing policies as plain functions (no Ray): least-loaded ranking, prefix affinity
-with its overload fallback, the router's own in-flight bookkeeping and prefix memory."""
+with its overload fallback, the router's own in-flight bookkeeping and prefix memory, and
+replica pins (also through the Serve router shells, built without a Ray cluster)."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.serve.router import (
@@ -11,14 +14,18 @@ from flotilla.serve.router import (
     Candidate,
     InFlight,
     PrefixMemory,
+    LeastLoadedRouter,
+    PrefixAffinityRouter,
     generate_request_of,
     is_overloaded,
     load_from_stats,
+    pinned_replica,
     rank_least_loaded,
     rank_prefix_affine,
+    replica_pin_of,
     router_class_path,
 )
-from flotilla.serve.types import GenerateRequest, ReplicaLoad
+from flotilla.serve.types import GenerateRequest, ReplicaLoad, ReplicaPin
 
 
 def cand(rid, running=0, waiting=0, kv=0.0, keys=(), in_flight=None, max_queued=0):
@@ -136,3 +143,49 @@ def test_router_names():
     assert router_class_path("prefix-affinity").endswith("PrefixAffinityRouter")
     with pytest.raises(ValueError, match="router='random'.*least-loaded"):
         router_class_path("random")
+
+
+def test_a_pin_is_found_among_the_arguments_and_names_a_candidate_by_its_tag():
+    pin = ReplicaPin("b2")
+    assert replica_pin_of(SimpleNamespace(args=[pin, "prefill-7"], kwargs={})) is pin
+    assert replica_pin_of(SimpleNamespace(args=[], kwargs={"pin": pin})) is pin
+    assert replica_pin_of(SimpleNamespace(args=["x"], kwargs={})) is None and replica_pin_of(None) is None
+    deployment = DeploymentID(name="prefill", app_name="app")
+    ids = [ReplicaID(tag, deployment) for tag in ("a1", "b2")]
+    assert pinned_replica(ids, pin) is ids[1]
+    assert pinned_replica(["a1", "b2"], pin) == "b2"  # plain ids match by equality
+    assert pinned_replica(ids, ReplicaPin("gone")) is None and pinned_replica(ids, None) is None
+
+
+def pending(*args, request_id="q"):
+    return SimpleNamespace(
+        args=list(args),
+        kwargs={},
+        metadata=SimpleNamespace(internal_request_id=request_id),
+        routing_context=SimpleNamespace(should_backoff=False),
+    )
+
+
+@pytest.mark.parametrize("router_class", [LeastLoadedRouter, PrefixAffinityRouter])
+def test_serve_routers_send_a_pinned_call_to_its_replica_alone_while_it_is_a_candidate(router_class):
+    deployment = DeploymentID(name="prefill", app_name="app")
+    router = router_class(deployment, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    # "busy" holds the most requests: least-loaded would rank it last.
+    replicas = [
+        SimpleNamespace(replica_id=ReplicaID(tag, deployment), routing_stats={"running": running})
+        for tag, running in (("idle", 0), ("mid", 2), ("busy", 9))
+    ]
+
+    def choose(call):
+        ranked = asyncio.run(router.choose_replicas(replicas, call))
+        return [[r.replica_id.unique_id for r in group] for group in ranked]
+
+    assert choose(pending(ReplicaPin("busy"), "prefill-1", request_id="q1")) == [["busy"]]
+    assert router.in_flight.count(replicas[2].replica_id) == 1  # counted like any assignment
+    # The pinned replica is gone: ranked as usual (the receiver sees the pin is not its own).
+    # (busy now counts q1 in flight, so it ranks by that fresh count.)
+    assert choose(pending(ReplicaPin("dead"), "prefill-2", request_id="q2")) == [["idle"], ["busy"], ["mid"]]
+    # No pin: every candidate is ranked.
+    plain = GenerateRequest("p", [1, 2, 3], SamplingParams(max_tokens=1), 0.0)
+    assert sorted(group[0] for group in choose(pending(plain, request_id="q3"))) == ["busy", "idle", "mid"]
