@@ -3,6 +3,9 @@
     flotilla serve [--model M] [server flags, SGLang spelling]...
                    [--router least-loaded|prefix-affinity] [--num-replicas N]
                    [--replica-num-cpus C] [--address ADDR] [--non-blocking]
+                   [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
+                    [--prefill-tp A] [--decode-tp B] [--kv-transport nixl|ray]
+                    [--kv-load-failure-policy recompute|fail]]
 
 The server flags are ``flotilla resolve``'s (``--tp-size``, ``--max-running-requests``,
 ...); ``--host`` (default 127.0.0.1), ``--port`` (30000), ``--api-key``,
@@ -16,6 +19,12 @@ is resolved once, here, then:
 - Serve's HTTP proxy listens on ``--host``:``--port``; the application (ingress, router,
   ``--num-replicas`` engine replicas) is deployed as ``flotilla`` and this command prints
   the URL and a curl line once ``/health`` answers.
+- ``--disaggregation-mode pd`` serves with two engine pools (see :mod:`flotilla.serve.pd`):
+  ``--prefill-replicas`` replicas compute prompts, ``--decode-replicas`` replicas decode,
+  with the KV cache moved by NIXL (``--kv-transport ray``: the Ray-object fallback). Each
+  pool's configuration is resolved once, for its role (``--prefill-tp``/``--decode-tp``
+  set its TP size; they may differ). ``--kv-load-failure-policy`` (vLLM's name) says what
+  a failed KV load does: ``recompute`` (default) or ``fail``.
 - It then blocks until Ctrl-C or SIGTERM and shuts the application down cleanly.
   ``--non-blocking`` (as in ``serve run``) returns once ready instead, leaving the
   application on the cluster (for jobs; needs a running cluster); remove it with
@@ -81,22 +90,110 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="return once the endpoint is ready, leaving it running on the cluster (for `ray job submit`)",
     )
+    pd = parser.add_argument_group("prefill/decode disaggregation (with --disaggregation-mode pd)")
+    pd.add_argument("--prefill-replicas", type=int, default=None, help="prefill engine replicas (default 1)")
+    pd.add_argument("--decode-replicas", type=int, default=None, help="decode engine replicas (default 1)")
+    pd.add_argument("--prefill-tp", type=int, default=None, help="TP size of each prefill replica (default: --tp-size)")
+    pd.add_argument("--decode-tp", type=int, default=None, help="TP size of each decode replica (default: --tp-size)")
+    pd.add_argument(
+        "--kv-transport",
+        choices=("auto", "nixl", "ray"),
+        default="auto",
+        help="how KV blocks move: nixl, or the ray object-store fallback (default auto: nixl when installed)",
+    )
+    pd.add_argument(
+        "--kv-load-failure-policy",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="when a prompt's KV cannot be loaded: recompute it on the decode side (default) or fail the request",
+    )
     add_server_flags(parser, FIELDS.values())
     return parser
 
 
+PD_ONLY_FLAGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp")
+
+
+def split_pd_mode(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """Take ``--disaggregation-mode pd`` out of ``argv`` (the server field of that name
+    knows only SGLang's single-server roles); returns (the rest, whether PD was asked).
+    ``prefill`` or ``decode`` are refused: ``flotilla serve`` runs both pools itself."""
+    rest, pd, args = [], False, list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--disaggregation-mode" or arg.startswith("--disaggregation-mode="):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+            else:
+                raise ArgumentError("--disaggregation-mode expects a value: pd or null")
+            if value not in ("pd", "null"):
+                raise ArgumentError(
+                    f"--disaggregation-mode {value}: flotilla serve runs the prefill and decode pools itself; "
+                    "pass --disaggregation-mode pd (or null for one colocated pool)"
+                )
+            pd = value == "pd"
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, pd
+
+
 def parse_serve_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
-    """(own options, the server fields given); :class:`ArgumentError` on bad input."""
+    """(own options, the server fields given); :class:`ArgumentError` on bad input.
+    ``opts.pd`` says whether ``--disaggregation-mode pd`` was given."""
     parser = build_parser()
-    opts, unknown = parser.parse_known_args(list(argv))
+    argv, pd = split_pd_mode(argv)
+    opts, unknown = parser.parse_known_args(argv)
+    opts.pd = pd
     own_flags = [o for a in parser._actions for o in a.option_strings]
     reject_unknown(unknown, server_flag_names() + own_flags)
     if opts.num_replicas is not None and opts.num_replicas < 1:
         raise ArgumentError(f"--num-replicas must be at least 1, got {opts.num_replicas}")
     if opts.replica_num_cpus is not None and opts.replica_num_cpus < 0:
         raise ArgumentError(f"--replica-num-cpus must not be negative, got {opts.replica_num_cpus}")
+    for name in PD_ONLY_FLAGS:
+        value = getattr(opts, name)
+        if value is not None and not pd:
+            raise ArgumentError(f"--{name.replace('_', '-')} {value} needs --disaggregation-mode pd")
+        if value is not None and value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if pd and opts.num_replicas is not None:
+        raise ArgumentError("--num-replicas sizes the colocated pool; with --disaggregation-mode pd use --prefill-replicas and --decode-replicas")
     given = {k: v for k, v in vars(opts).items() if k in FIELDS}
     return opts, given
+
+
+def resolve_serving(opts: argparse.Namespace, given: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Resolve once per pool: (config, decode config or None, ServeOptions). In PD mode
+    ``config`` is the prefill pool's."""
+    from flotilla.serve.app import resolve_for_serving, serve_options
+
+    if not opts.pd:
+        config, model = resolve_for_serving(given)
+        decode_config = None
+    else:
+        from flotilla.serve.pd import pd_server_fields
+
+        prefill_fields, decode_fields = pd_server_fields(given, opts.prefill_tp, opts.decode_tp)
+        config, model = resolve_for_serving(prefill_fields)
+        decode_config, _ = resolve_for_serving(decode_fields)
+    options = serve_options(
+        decode_config or config,
+        model=model,
+        served_model_name_given=given.get("served_model_name"),
+        router=opts.router,
+        num_replicas=opts.num_replicas,
+        replica_num_cpus=opts.replica_num_cpus,
+        disaggregation_mode="pd" if opts.pd else "null",
+        prefill_replicas=opts.prefill_replicas,
+        decode_replicas=opts.decode_replicas,
+        kv_transport=opts.kv_transport,
+        kv_load_failure_policy=opts.kv_load_failure_policy,
+    )
+    return config, decode_config, options
 
 
 def run_serve(argv: Sequence[str]) -> int:
@@ -117,24 +214,20 @@ def run_serve(argv: Sequence[str]) -> int:
         # non-loopback interface even for a local cluster.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from flotilla.serve.app import ensure_ray, resolve_for_serving, serve_options
+    from flotilla.serve.app import ensure_ray
 
     try:
         if joining:
             ensure_ray(opts.address)  # NOTE: before resolving, so the probe runs on a worker node
-        config, model = resolve_for_serving(given)
-        options = serve_options(
-            config,
-            model=model,
-            served_model_name_given=given.get("served_model_name"),
-            router=opts.router,
-            num_replicas=opts.num_replicas,
-            replica_num_cpus=opts.replica_num_cpus,
-        )
+        config, decode_config, options = resolve_serving(opts, given)
+        if decode_config is not None:
+            from flotilla.serve.pd import check_pd_options
+
+            check_pd_options(config, decode_config, options)
     except (ArgumentError, ResolutionError, ValueError) as exc:
         _print_error(exc)
         return 2
-    started_local = False if joining else _start_local(config, options)
+    started_local = False if joining else _start_local(config, options, decode_config)
     serve_was_running = _serve_running()
     if serve_was_running:
         print(
@@ -142,7 +235,7 @@ def run_serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
     try:
-        url = deploy(config, options)
+        url = deploy(config, options, decode_config)
     except KeyboardInterrupt:
         print("flotilla serve: interrupted while starting; shutting down", file=sys.stderr)
         _shutdown(started_local, serve_was_running)
@@ -169,15 +262,24 @@ def _print_error(exc: Exception) -> None:
         print(f"flotilla serve: error: {exc}", file=sys.stderr)
 
 
-def _start_local(config, options) -> bool:
+def _start_local(config, options, decode_config=None) -> bool:
     """Start a local Ray cluster with enough logical CPUs for the application."""
     from flotilla.cluster.group import CPU_BUNDLE_SHARE
     from flotilla.serve.app import INGRESS_NUM_CPUS, ensure_ray
+    from flotilla.serve.pd import ranks_in_replica
 
-    tp = int(config.tp_size or 1)
-    # NOTE: a tensor-parallel replica's worker group reserves CPU_BUNDLE_SHARE per rank.
-    per_replica = options.replica_num_cpus + (tp * CPU_BUNDLE_SHARE if tp > 1 else 0)
-    needed = math.ceil(options.num_replicas * per_replica + INGRESS_NUM_CPUS + 1)
+    def pool_cpus(pool_config, pool: str, replicas: int) -> float:
+        # NOTE: a replica whose ranks run in worker actors reserves CPU_BUNDLE_SHARE per rank.
+        ranks = 0 if ranks_in_replica(pool_config, options, pool) else int(pool_config.tp_size or 1)
+        return replicas * (options.replica_num_cpus + ranks * CPU_BUNDLE_SHARE)
+
+    if decode_config is None:
+        engines = pool_cpus(config, "colocated", options.num_replicas)
+    else:
+        engines = pool_cpus(config, "prefill", options.prefill_replicas) + pool_cpus(
+            decode_config, "decode", options.decode_replicas
+        )
+    needed = math.ceil(engines + INGRESS_NUM_CPUS + 1)
     return ensure_ray(None, num_cpus=max(4, os.cpu_count() or 1, needed))
 
 
@@ -192,16 +294,18 @@ def _serve_running() -> bool:
         return False
 
 
-def deploy(config, options) -> str:
-    """Start Serve's proxy on ``config.host``:``config.port``, deploy the application and
+def deploy(config, options, decode_config=None) -> str:
+    """Start Serve's proxy on ``config.host``:``config.port``, deploy the application
+    (PD mode: ``config`` is the prefill pool's, ``decode_config`` the decode pool's) and
     wait until ``/health`` answers; returns the base URL (``http://host:port``)."""
     from ray import serve
 
-    from flotilla.serve.app import APP_NAME, build_app
+    from flotilla.serve.app import APP_NAME, build_app, build_pd_app
 
+    app = build_app(config, options) if decode_config is None else build_pd_app(config, decode_config, options)
     # NOTE: HeadOnly: one proxy, on the node this URL names (the head, where jobs run).
     serve.start(http_options={"host": config.host, "port": int(config.port)}, proxy_location="HeadOnly")
-    serve.run(build_app(config, options), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{_client_host(config.host)}:{int(config.port)}"
     wait_until_healthy(url, READY_TIMEOUT_S)
     return url
@@ -243,7 +347,10 @@ def ready_message(url: str, options, config, blocking: bool = True) -> str:
     if options.api_key:
         curl += ' -H "Authorization: Bearer $FLOTILLA_API_KEY"'
     curl += f" -d {shlex.quote(json.dumps(body))}"
-    replicas = f"{options.num_replicas} engine replica{'s' if options.num_replicas != 1 else ''}"
+    if options.disaggregation_mode == "pd":
+        replicas = f"PD: {options.prefill_replicas} prefill + {options.decode_replicas} decode replicas, KV by {options.kv_transport}"
+    else:
+        replicas = f"{options.num_replicas} engine replica{'s' if options.num_replicas != 1 else ''}"
     lines = [
         f"flotilla serve: {options.served_model_name} is ready at {url}/v1 "
         f"({replicas}, router {options.router}, config {config.digest[:12]})",

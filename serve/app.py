@@ -34,10 +34,9 @@ from ray.serve.config import RequestRouterConfig
 
 from flotilla.resolution import ArgumentError, ResolvedConfig, ServerArgs
 from flotilla.resolution.fields import FIELDS
+from flotilla.serve.handles import call, stream_chunks
 from flotilla.serve.router import router_class_path
 from flotilla.serve.types import (
-    EngineOverloadedError,
-    EngineUnavailableError,
     GenerateChunk,
     GenerateRequest,
     ServeOptions,
@@ -70,27 +69,11 @@ METRICS_TIMEOUT_S = 5.0
 DEFAULT_SERVED_MODEL_NAME = "smollm2"
 # build() arguments that are serving options, not server fields.
 OPTION_ARGS = ("router", "num_replicas", "replica_num_cpus", "max_body_bytes")
+# build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
+PD_OPTION_ARGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "kv_transport", "kv_load_failure_policy")
 
 
 # -- the ingress's engine client ---------------------------------------------------------
-
-
-def _engine_error(exc: BaseException) -> BaseException:
-    """The contract's error for what a handle call raised: the replica's own exception
-    (unwrapped from Ray's RayTaskError), ``EngineOverloadedError`` for Serve's
-    backpressure, ``EngineUnavailableError`` for a dead or unreachable replica."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-    if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), Exception):
-        exc = exc.cause
-    if isinstance(exc, (EngineOverloadedError, EngineUnavailableError, ValueError)):
-        return exc
-    if isinstance(exc, BackPressureError):
-        return EngineOverloadedError(f"every engine replica is busy ({exc})", retry_after_s=1)
-    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)):
-        return EngineUnavailableError(f"the engine replica is unavailable: {exc}")
-    return exc
 
 
 class ServeEngineClient:
@@ -111,28 +94,13 @@ class ServeEngineClient:
         """Stream the request's chunks from the replica the router picks. Closing the
         iterator early (the client left) cancels the call, so the replica aborts the
         request and frees its KV blocks."""
-        response = self._stream.remote(request)
-        done = False
-        try:
-            async for chunk in response:
-                yield chunk
-            done = True
-        except (GeneratorExit, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            done = True
-            error = _engine_error(exc)
-            if error is exc:
-                raise
-            raise error from None
-        finally:
-            if not done:
-                response.cancel()
+        async for chunk in stream_chunks(call(self._stream, request)):
+            yield chunk
 
     async def is_healthy(self) -> bool:
         """Whether an engine replica answers healthy within the health timeout."""
         try:
-            return bool(await asyncio.wait_for(self._handle.is_healthy.remote(), HEALTH_TIMEOUT_S))
+            return bool(await asyncio.wait_for(call(self._handle.is_healthy), HEALTH_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - unreachable or dead is unhealthy
             logger.warning("engine health check failed: %s", exc)
             return False
@@ -149,10 +117,17 @@ class ServeEngineClient:
 @serve.ingress()
 class OpenAIIngress:
     """The ingress deployment: the FastAPI app of :func:`flotilla.serve.ingress.create_app`
-    over a :class:`ServeEngineClient`, built late (in the replica, after ``__init__``)."""
+    over a :class:`ServeEngineClient` (PD mode: a :class:`~flotilla.serve.pd.PDEngineClient`
+    over the prefill and decode pools), built late (in the replica, after ``__init__``)."""
 
-    def __init__(self, engine: Any, config: ResolvedConfig, options: ServeOptions):
-        self._client = ServeEngineClient(engine)
+    def __init__(self, engine: Any, config: ResolvedConfig, options: ServeOptions, decode_engine: Any = None):
+        if decode_engine is None:
+            self._client = ServeEngineClient(engine)
+        else:
+            from flotilla.serve.pd import PDEngineClient
+
+            # NOTE: PD mode: ``engine`` is the prefill pool's handle.
+            self._client = PDEngineClient(engine, decode_engine, options.kv_load_failure_policy)
         self._config, self._options = config, options
         self._tokenizer = None if config.skip_tokenizer_init else ingress_tokenizer(config, options)
 
@@ -185,29 +160,45 @@ def engine_capacity(config: ResolvedConfig, options: ServeOptions) -> int:
     return running + int(options.max_queued_requests)
 
 
-def engine_deployment_options(config: ResolvedConfig, options: ServeOptions) -> dict[str, Any]:
-    """``Deployment.options`` of the engine pool (see the constants for the choices)."""
+def engine_deployment_options(
+    config: ResolvedConfig,
+    options: ServeOptions,
+    pool: str = "colocated",
+) -> dict[str, Any]:
+    """``Deployment.options`` of an engine pool (see the constants for the choices).
+
+    ``pool``: ``"colocated"`` (the ``engine`` deployment, ``options.num_replicas``
+    replicas, ``options.router``), ``"prefill"`` (``options.prefill_replicas``, always
+    prefix-affinity: the replica holding a prompt's prefix computes it fastest) or
+    ``"decode"`` (``options.decode_replicas``, ``options.router``)."""
+    from flotilla.serve.pd import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, ranks_in_replica
+
+    name, replicas, router = {
+        "colocated": (ENGINE_DEPLOYMENT, options.num_replicas, options.router),
+        "prefill": (PREFILL_DEPLOYMENT, options.prefill_replicas, "prefix-affinity"),
+        "decode": (DECODE_DEPLOYMENT, options.decode_replicas, options.router),
+    }[pool]
     on_gpu = (config.device or "cpu") == "cuda"
     actor: dict[str, Any] = {"num_cpus": options.replica_num_cpus}
-    if on_gpu and int(config.tp_size or 1) == 1:
-        # NOTE: one rank runs inside the replica; a tensor-parallel replica's worker group
-        # reserves its own GPUs in a placement group.
+    if on_gpu and ranks_in_replica(config, options, pool):
+        # NOTE: one rank runs inside the replica; a worker group reserves its own GPUs
+        # in a placement group.
         actor["num_gpus"] = 1
     if not on_gpu and "OMP_NUM_THREADS" not in os.environ:
         # NOTE: Ray gives an actor with fewer than 2 CPUs OMP_NUM_THREADS=1, which would
         # run a CPU engine on one core; share this machine's cores among the replicas.
-        threads = max(1, (os.cpu_count() or 1) // options.num_replicas)
+        threads = max(1, (os.cpu_count() or 1) // total_engine_replicas(options))
         actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
     return dict(
-        name=ENGINE_DEPLOYMENT,
-        num_replicas=options.num_replicas,
+        name=name,
+        num_replicas=replicas,
         max_ongoing_requests=engine_capacity(config, options) + ONGOING_HEADROOM,
         # NOTE: only reached when no replica can take a request (all at the bound above,
         # or restarting); Serve then raises BackPressureError, which becomes a 429.
-        max_queued_requests=int(options.max_queued_requests) * options.num_replicas,
+        max_queued_requests=int(options.max_queued_requests) * replicas,
         ray_actor_options=actor,
         request_router_config=RequestRouterConfig(
-            request_router_class=router_class_path(options.router),
+            request_router_class=router_class_path(router),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
         ),
@@ -219,10 +210,18 @@ def engine_deployment_options(config: ResolvedConfig, options: ServeOptions) -> 
     )
 
 
+def total_engine_replicas(options: ServeOptions) -> int:
+    """Engine replicas of the application (both pools in PD mode)."""
+    if options.disaggregation_mode == "pd":
+        return options.prefill_replicas + options.decode_replicas
+    return options.num_replicas
+
+
 def ingress_deployment_options(config: ResolvedConfig, options: ServeOptions) -> dict[str, Any]:
     """``Deployment.options`` of the ingress: room for every request the engine pool
     accepts; beyond that the proxy answers 429 itself."""
-    pool = engine_capacity(config, options) * options.num_replicas + ONGOING_HEADROOM
+    serving = options.decode_replicas if options.disaggregation_mode == "pd" else options.num_replicas
+    pool = engine_capacity(config, options) * serving + ONGOING_HEADROOM
     return dict(
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
@@ -233,17 +232,39 @@ def ingress_deployment_options(config: ResolvedConfig, options: ServeOptions) ->
     )
 
 
+def _engine_class() -> Deployment:
+    from flotilla.serve.engine_replica import EngineReplica
+
+    return EngineReplica if isinstance(EngineReplica, Deployment) else serve.deployment(EngineReplica)
+
+
 def build_app(config: ResolvedConfig, options: ServeOptions) -> Application:
     """The Serve application for one resolved configuration: the ``ingress`` deployment
     bound to the ``engine`` deployment's handle, both bound to ``(config, options)``."""
-    from flotilla.serve.engine_replica import EngineReplica
-
     router_class_path(options.router)  # NOTE: fail here, not in a replica, on a bad name
     if options.num_replicas < 1:
         raise ValueError(f"num_replicas={options.num_replicas} must be at least 1")
-    engine_cls = EngineReplica if isinstance(EngineReplica, Deployment) else serve.deployment(EngineReplica)
-    engine = engine_cls.options(**engine_deployment_options(config, options)).bind(config, options)
+    engine = _engine_class().options(**engine_deployment_options(config, options)).bind(config, options)
     return OpenAIIngress.options(**ingress_deployment_options(config, options)).bind(engine, config, options)
+
+
+def build_pd_app(prefill_config: ResolvedConfig, decode_config: ResolvedConfig, options: ServeOptions) -> Application:
+    """The PD application: the ``ingress`` over a ``prefill`` pool (bound to
+    ``prefill_config``) and a ``decode`` pool (bound to ``decode_config``); each config was
+    resolved once, for its role (see :func:`flotilla.serve.pd.resolve_pd_configs`)."""
+    from flotilla.serve.pd import check_pd_options
+
+    router_class_path(options.router)
+    check_pd_options(prefill_config, decode_config, options)
+    engine = _engine_class()
+    prefill = engine.options(**engine_deployment_options(prefill_config, options, "prefill")).bind(
+        prefill_config, options, pool="prefill"
+    )
+    decode = engine.options(**engine_deployment_options(decode_config, options, "decode")).bind(
+        decode_config, options, pool="decode"
+    )
+    ingress = OpenAIIngress.options(**ingress_deployment_options(decode_config, options))
+    return ingress.bind(prefill, decode_config, options, decode_engine=decode)
 
 
 # -- resolution for serving ----------------------------------------------------------------
@@ -272,14 +293,25 @@ def serve_options(
     num_replicas: int | None = None,
     replica_num_cpus: float | None = None,
     max_body_bytes: int | None = None,
+    disaggregation_mode: str = "null",
+    prefill_replicas: int | None = None,
+    decode_replicas: int | None = None,
+    kv_transport: str = "auto",
+    kv_load_failure_policy: str = "recompute",
 ) -> ServeOptions:
     """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
     from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
-    replica when DP attention keeps the DP ranks inside one engine)."""
+    replica when DP attention keeps the DP ranks inside one engine). PD mode
+    (``disaggregation_mode="pd"``): one prefill and one decode replica by default;
+    ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback."""
+    from flotilla.serve.kv_transfer import default_kv_transport
+
     defaults = ServeOptions()
     if num_replicas is None:
         num_replicas = 1 if config.enable_dp_attention else int(config.dp_size or 1)
     router_class_path(router)
+    if disaggregation_mode not in ("null", "pd"):
+        raise ValueError(f"disaggregation_mode must be 'null' or 'pd' (got {disaggregation_mode!r})")
     return ServeOptions(
         model=model,
         served_model_name=served_model_name(model, served_model_name_given),
@@ -289,6 +321,11 @@ def serve_options(
         max_body_bytes=int(max_body_bytes or defaults.max_body_bytes),
         api_key=config.api_key or None,
         replica_num_cpus=float(replica_num_cpus if replica_num_cpus is not None else defaults.replica_num_cpus),
+        disaggregation_mode=disaggregation_mode,
+        prefill_replicas=int(prefill_replicas or defaults.prefill_replicas),
+        decode_replicas=int(decode_replicas or defaults.decode_replicas),
+        kv_transport=default_kv_transport() if kv_transport == "auto" else kv_transport,
+        kv_load_failure_policy=kv_load_failure_policy,
     )
 
 
@@ -375,7 +412,7 @@ def parse_build_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
         name = str(name).replace("-", "_")
         if value is None:
             continue
-        if name in OPTION_ARGS:
+        if name in OPTION_ARGS or name in PD_OPTION_ARGS or (name == "disaggregation_mode" and str(value) == "pd"):
             option_args[name] = value
             continue
         argv += _flag_argv("model_path" if name == "model" else name, value)
@@ -391,22 +428,48 @@ def build(args: dict[str, Any]) -> Application:
     ``tp_size``, ``max_running_requests``, ``api_key``, ``max_queued_requests``,
     ``served_model_name``, ...; values as strings or typed YAML) plus ``router``
     (``least-loaded``|``prefix-affinity``), ``num_replicas``, ``replica_num_cpus``,
-    ``max_body_bytes``. The configuration is resolved once, here, for the platform of the
+    ``max_body_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
+    ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``kv_transport``,
+    ``kv_load_failure_policy``. The configuration is resolved once, here, for the platform of the
     cluster's worker nodes (this connects to Ray first when ``serve run`` has not yet).
     NOTE: host and port are Serve's ``http_options`` (``serve run`` / the config file),
     not these arguments.
     """
     given, option_args = parse_build_args(args)
+    pd = option_args.get("disaggregation_mode") == "pd"
+    stray = [name for name in PD_OPTION_ARGS if name in option_args and not pd]
+    if stray:
+        raise ArgumentError(f"{', '.join(stray)} need disaggregation_mode: pd")
     ensure_ray()
-    config, model = resolve_for_serving(given)
+
+    def opt(name: str, kind):
+        return kind(option_args[name]) if name in option_args else None
+
+    decode_config = None
+    if pd:
+        from flotilla.serve.pd import check_pd_options, pd_server_fields
+
+        prefill_fields, decode_fields = pd_server_fields(given, opt("prefill_tp", int), opt("decode_tp", int))
+        config, model = resolve_for_serving(prefill_fields)
+        decode_config, _ = resolve_for_serving(decode_fields)
+    else:
+        config, model = resolve_for_serving(given)
     options = serve_options(
-        config,
+        decode_config or config,
         model=model,
         served_model_name_given=given.get("served_model_name"),
         router=str(option_args.get("router", "least-loaded")),
-        num_replicas=int(option_args["num_replicas"]) if "num_replicas" in option_args else None,
-        replica_num_cpus=float(option_args["replica_num_cpus"]) if "replica_num_cpus" in option_args else None,
-        max_body_bytes=int(option_args["max_body_bytes"]) if "max_body_bytes" in option_args else None,
+        num_replicas=opt("num_replicas", int),
+        replica_num_cpus=opt("replica_num_cpus", float),
+        max_body_bytes=opt("max_body_bytes", int),
+        disaggregation_mode="pd" if pd else "null",
+        prefill_replicas=opt("prefill_replicas", int),
+        decode_replicas=opt("decode_replicas", int),
+        kv_transport=str(option_args.get("kv_transport", "auto")),
+        kv_load_failure_policy=str(option_args.get("kv_load_failure_policy", "recompute")),
     )
     logger.info("serving %s (config %s)", options.served_model_name, config.digest[:16])
+    if decode_config is not None:
+        check_pd_options(config, decode_config, options)
+        return build_pd_app(config, decode_config, options)
     return build_app(config, options)

@@ -200,6 +200,19 @@ class EngineReplica:
         """False when the engine is dead (for ``/health``)."""
         return self.engine.healthy
 
+    async def describe(self) -> dict[str, Any]:
+        """What this replica is, for operators and tests: ``replica_id``, ``pool``, ``tp_size``,
+        ``kv_peer_id`` (PD roles) and ``rank_actors`` (the worker actors running its ranks,
+        rank order; empty when its one rank runs in this process)."""
+        group = getattr(self.engine.engine.runner, "group", None)
+        return {
+            "replica_id": self.replica_id,
+            "pool": self.pool,
+            "tp_size": int(self.config.tp_size or 1),
+            "kv_peer_id": self.kv_peer_id,
+            "rank_actors": list(group.actors) if group is not None else [],
+        }
+
     async def metrics_text(self) -> str:
         """This replica's ``flotilla:`` metrics (Prometheus text format)."""
         return await self.engine.metrics_text()

@@ -30,3 +30,21 @@ def save_tiny_llama(path: Path, vocab_size: int = 256, seed: int = 0):
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
+
+
+def save_word_tokenizer(path: Path, vocab_size: int = 256) -> None:
+    """Save a word-level tokenizer for a tiny model to ``path``: token ``i`` is the word
+    ``w<i>`` and text is words joined by spaces, so a completion's text reads back as its
+    token ids (:func:`word_token_ids`). No token is special (none is dropped from text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # NOTE: joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+
+
+def word_token_ids(text: str) -> list[int]:
+    """The token ids of a text written by :func:`save_word_tokenizer`'s tokenizer."""
+    return [int(word[1:]) for word in text.split()]
