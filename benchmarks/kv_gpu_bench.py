@@ -45,10 +45,11 @@ def _host_class():
             from flotilla.cluster.engine.llm import LLM
             from flotilla.serve.kv_transfer import KVEndpointFactory
 
-            if device == "cpu":
-                from flotilla.resolution import preset
+            from flotilla.cluster.platform import probe
 
-                flags = {**flags, "platform": preset("cpu")}
+            # NOTE: this actor's own device: a probe on "a worker" would need a free GPU,
+            # and both are held by the two engines.
+            flags = {**flags, "platform": probe()}
             self.llm = LLM(model_dir, **flags)
             self.engine = self.llm.engine
             self.runner = self.engine.runner

@@ -58,6 +58,7 @@ from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
 from flotilla.cluster.engine.outputs import CompletionDelta
 from flotilla.cluster.engine.request import RequestStatus
 from flotilla.serve.kv_transfer import BlockLeases
+from flotilla.serve.pd import ends_at_first_token, takes_handoff
 from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.types import (
     CompletionChunk,
@@ -180,18 +181,6 @@ class PrefillOutcome:
 class KVTransferExpired(RuntimeError):
     """A ticket's blocks were not read: the request is too old for its lease to be sure
     to hold (see :data:`LEASE_READ_FRACTION`); the failure policy applies."""
-
-
-def takes_handoff(params: Any) -> bool:
-    """Whether a KV handoff can carry a request with these sampling parameters: one
-    completion and no logprobs (``LLMEngine.add_prefilled_request``'s limits)."""
-    return params.n == 1 and params.logprobs is None
-
-
-def ends_at_first_token(request: GenerateRequest, ticket: PrefillTicket) -> bool:
-    """Whether the ticket's chunk is the request's whole answer: the first token ended
-    the completion (a stop) or it was the only token asked for."""
-    return ticket.finish_reason == "stop" or request.params.max_tokens == 1
 
 
 @dataclass(eq=False)

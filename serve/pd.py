@@ -137,16 +137,16 @@ def check_pd_options(prefill_config: Any, decode_config: Any, options: ServeOpti
 # -- the ingress's client -----------------------------------------------------------------------
 
 
-def takes_handoff(request: GenerateRequest) -> bool:
-    """Whether the request goes through a prefill replica (one completion, no logprobs:
-    what a KV handoff carries); others run whole on a decode replica."""
-    params = request.params
+def takes_handoff(params: Any) -> bool:
+    """Whether a KV handoff can carry a request with these sampling parameters: one
+    completion and no logprobs (``LLMEngine.add_prefilled_request``'s limits); other
+    requests run whole on a decode replica."""
     return params.n == 1 and params.logprobs is None
 
 
-def answered_by_prefill(request: GenerateRequest, ticket: PrefillTicket) -> bool:
-    """Whether the ticket's chunk is the whole answer: the first token ended the completion
-    (a stop), or it was the only token asked for."""
+def ends_at_first_token(request: GenerateRequest, ticket: PrefillTicket) -> bool:
+    """Whether the ticket's chunk is the request's whole answer: the first token ended
+    the completion (a stop) or it was the only token asked for."""
     return ticket.finish_reason == "stop" or request.params.max_tokens == 1
 
 
@@ -179,7 +179,7 @@ class PDEngineClient:
         """Stream the request's chunks: prefill on the prefill pool, decode on the decode
         pool (see the module docstring). Closing the iterator early cancels the decode
         call (the decode replica aborts and frees its blocks) and releases the prefill's."""
-        if not takes_handoff(request):
+        if not takes_handoff(request.params):
             async for chunk in stream_chunks(call(self._decode_whole, request)):
                 yield chunk
             return
@@ -197,7 +197,7 @@ class PDEngineClient:
                 released = True
                 self._in_background(self._release_now(ticket))
 
-        if answered_by_prefill(request, ticket):
+        if ends_at_first_token(request, ticket):
             release()
             yield ticket.chunk
             return
