@@ -169,6 +169,18 @@ class TestPrefillTP1DecodeTP2FailOverRay:
         # NOTE: the failure was the request's alone: the next one is served.
         assert _tokens(pd, tiny.prompts[0]) == tiny.expected[0]
 
+    def test_a_killed_decode_rank_fails_the_request_and_frees_the_prefill_blocks(self, pd, tiny):
+        import ray
+
+        ranks = _handle(self.APP, "decode").describe.remote().result(timeout_s=30)["rank_actors"]
+        ray.kill(ranks[1], no_restart=True)
+        # NOTE: the decode engine dies at its next step: the request fails with the rank named,
+        # and the ingress still releases the prefill side's blocks.
+        response = _complete(pd, tiny.prompts[0])
+        assert response.status_code >= 500, response.text
+        assert "rank 1" in response.text, response.text
+        assert wait_for(lambda: total(metrics(pd.url), "flotilla:kv_transfer_leased_blocks", pool="prefill") == 0)
+
     def test_a_killed_prefill_rank_fails_the_request_clearly(self, pd, tiny):
         _kill_prefill_rank(self.APP, 0)
         response = _complete(pd, tiny.prompts[1])
