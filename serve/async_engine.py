@@ -253,8 +253,6 @@ class AsyncEngine:
         # Engine-thread state of the KV handoff. NOTE: BlockLeases holds the leased blocks;
         # the deadlines are kept here too, so the idle thread knows when to wake.
         self._leases = BlockLeases()
-        self._lease_deadlines: dict[str, float] = {}
-        self._leased_blocks = 0
         self._kv_peers: OrderedDict[str, None] = OrderedDict()
         self._publish_load(0)
         self._thread = threading.Thread(target=self._run, name=f"flotilla-engine-{replica_id}", daemon=True)
@@ -505,7 +503,7 @@ class AsyncEngine:
                 self._apply(commands)
                 if commands or self.engine.has_unfinished_requests():
                     self._step()
-                if self._lease_deadlines:
+                if self._leases:
                     self._expire_leases()
                 if self.engine.dead is not None:
                     self._die(str(self.engine.dead))
@@ -522,8 +520,8 @@ class AsyncEngine:
         with self._cond:
             while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                 wait_s = IDLE_WAIT_S
-                if self._lease_deadlines:
-                    due_in = min(self._lease_deadlines.values()) - time.monotonic()
+                if self._leases:
+                    due_in = self._leases.next_deadline() - time.monotonic()
                     if due_in <= 0:
                         break
                     wait_s = min(wait_s, due_in)
@@ -544,7 +542,7 @@ class AsyncEngine:
                     self._answer(command)
                 elif command.engine_id in self._live:
                     self.engine.abort(command.engine_id)
-                elif command.engine_id in self._lease_deadlines:
+                elif command.engine_id in self._leases:
                     # NOTE: a prefill whose caller left after it finished: nobody will read it.
                     self._release_lease(command.engine_id)
             except Exception:
@@ -671,9 +669,6 @@ class AsyncEngine:
         blocks = self.engine.held_kv_blocks(command.engine_id)
         if reason in ("length", "stop") and blocks and completion.token_ids:
             self._leases.grant(command.engine_id, blocks, command.lease_s)
-            # NOTE: taken after grant(), so this deadline is never before BlockLeases' own.
-            self._lease_deadlines[command.engine_id] = time.monotonic() + command.lease_s
-            self._leased_blocks += len(blocks)
             return PrefillOutcome(command.engine_id, completion.token_ids[0], blocks, reason, chunk)
         self.engine.release_kv(command.engine_id)
         return EngineUnavailableError(
@@ -682,24 +677,23 @@ class AsyncEngine:
 
     def _release_lease(self, prefill_request_id: str) -> bool:
         """End a lease and free its blocks; False when there is none."""
-        self._lease_deadlines.pop(prefill_request_id, None)
-        blocks = self._leases.release(prefill_request_id)
-        if blocks is None:
+        if self._leases.release(prefill_request_id) is None:
             return False
-        self._leased_blocks -= len(blocks)
         released = self.engine.release_kv(prefill_request_id)
         self._publish_load(0)
         return released
 
     def _expire_leases(self) -> None:
         """Free the blocks of every lease past its deadline (nobody read and released them)."""
-        now = time.monotonic()
-        for prefill_request_id in [r for r, due in self._lease_deadlines.items() if due <= now]:
+        expired = self._leases.expire()
+        for prefill_request_id in expired:
             logger.warning(
                 "replica %s: the KV lease of %s expired unreleased; freeing its blocks",
                 self.metrics.replica_id, prefill_request_id,
             )
-            self._release_lease(prefill_request_id)
+            self.engine.release_kv(prefill_request_id)
+        if expired:
+            self._publish_load(0)
 
     def _step(self) -> None:
         started = time.monotonic()
@@ -816,7 +810,7 @@ class AsyncEngine:
             self._snapshot = snapshot
             queued = self._queued_adds
         self.metrics.set_load(snapshot[0], snapshot[1] + queued, snapshot[2], scheduler.pool.num_used_blocks)
-        self.metrics.kv_transfer_leased_blocks.set(self._leased_blocks)
+        self.metrics.kv_transfer_leased_blocks.set(self._leases.num_blocks)
 
     def _die(self, reason: str, dead: bool = True) -> None:
         """Fail every request still held and every queued add; refuse new requests."""
@@ -832,11 +826,11 @@ class AsyncEngine:
                 out.append((command.engine_id, command.stream, EngineUnavailableError(reason)))
             elif isinstance(command, _Call):
                 out.append(("", command.stream, EngineUnavailableError(reason)))
-        for prefill_request_id in list(self._lease_deadlines):
+        for prefill_request_id in list(self._leases.held()):
             try:
                 self._release_lease(prefill_request_id)
             except Exception:  # noqa: BLE001 - the engine may be broken; the leases end anyway
-                self._lease_deadlines.pop(prefill_request_id, None)
+                self._leases.release(prefill_request_id)
         for engine_id, live in list(self._live.items()):
             try:
                 self.engine.abort(engine_id)
@@ -873,7 +867,7 @@ class AsyncEngine:
                 for engine_id, _, _ in batch:
                     if engine_id in self._live:
                         self.engine.abort(engine_id)
-                    elif engine_id in self._lease_deadlines:
+                    elif engine_id in self._leases:
                         self._release_lease(engine_id)
 
 

@@ -929,12 +929,24 @@ class BlockLeases:
         lease = self._leases.pop(request_id, None)
         return None if lease is None else lease[1]
 
-    def expire(self, now: float | None = None) -> list[list[int]]:
+    def expire(self, now: float | None = None) -> dict[str, list[int]]:
         """End every lease whose deadline is at or before ``now`` (default: the clock);
-        returns their block id lists."""
+        returns their request ids -> block ids."""
         now = self._clock() if now is None else now
         expired = [rid for rid, (deadline, _) in self._leases.items() if deadline <= now]
-        return [self._leases.pop(rid)[1] for rid in expired]
+        return {rid: self._leases.pop(rid)[1] for rid in expired}
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a lease held (the clock's time), or None."""
+        return min((deadline for deadline, _ in self._leases.values()), default=None)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held under all leases."""
+        return sum(len(ids) for _, ids in self._leases.values())
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._leases
 
     def held(self) -> dict[str, list[int]]:
         """Request id -> block ids currently leased."""

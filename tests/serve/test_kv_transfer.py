@@ -509,13 +509,13 @@ def test_leases_expire_release_and_never_double_free():
     with pytest.raises(ValueError, match="ttl_s"):
         leases.grant("c", [4], ttl_s=0)
     now[0] = 104.9
-    assert leases.expire() == []
+    assert leases.expire() == {}
     now[0] = 105.0
-    assert leases.expire() == [[1, 2]]
+    assert leases.expire() == {"a": [1, 2]}
     assert leases.release("a") is None  # expired: its blocks were already handed back
     assert leases.held() == {"b": [3]}
     assert leases.release("b") == [3]
-    assert leases.expire(now=1e9) == [] and len(leases) == 0
+    assert leases.expire(now=1e9) == {} and len(leases) == 0 and leases.next_deadline() is None
 
 
 def test_bandwidth_64_mib(holders, capsys):
