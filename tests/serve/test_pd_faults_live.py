@@ -115,16 +115,20 @@ def _no_blocks_held(url: str) -> bool:
     )
 
 
+@pytest.fixture(scope="class")
+def pd(request, serve_http, tiny):
+    """The test class's PD deployment (its ``APP``, ``PREFIX`` and ``SETUP``: prefill TP,
+    decode TP, transport, policy), deleted after the class: one deployment at a time."""
+    from ray import serve
+
+    cls = request.cls
+    deployment = _deploy(serve_http, tiny, cls.APP, cls.PREFIX, *cls.SETUP)
+    yield deployment
+    serve.delete(cls.APP)
+
+
 class TestPrefillTP2DecodeTP1Recompute:
-    APP, PREFIX = "flotilla-pd-tp21", "/pd21"
-
-    @pytest.fixture(scope="class")
-    def pd(self, serve_http, tiny):
-        from ray import serve
-
-        deployment = _deploy(serve_http, tiny, self.APP, self.PREFIX, 2, 1, "nixl", "recompute")
-        yield deployment
-        serve.delete(self.APP)
+    APP, PREFIX, SETUP = "flotilla-pd-tp21", "/pd21", (2, 1, "nixl", "recompute")
 
     def test_greedy_tokens_equal_the_single_engine(self, pd, tiny):
         assert [_tokens(pd, p) for p in tiny.prompts] == tiny.expected
@@ -146,15 +150,7 @@ class TestPrefillTP2DecodeTP1Recompute:
 
 
 class TestPrefillTP1DecodeTP2FailOverRay:
-    APP, PREFIX = "flotilla-pd-tp12", "/pd12"
-
-    @pytest.fixture(scope="class")
-    def pd(self, serve_http, tiny):
-        from ray import serve
-
-        deployment = _deploy(serve_http, tiny, self.APP, self.PREFIX, 1, 2, "ray", "fail")
-        yield deployment
-        serve.delete(self.APP)
+    APP, PREFIX, SETUP = "flotilla-pd-tp12", "/pd12", (1, 2, "ray", "fail")
 
     def test_greedy_tokens_equal_the_single_engine(self, pd, tiny):
         assert [_tokens(pd, p) for p in tiny.prompts] == tiny.expected
