@@ -501,6 +501,11 @@ class AsyncEngine:
                 if commands is None:
                     break
                 self._apply(commands)
+                pending = self.engine.take_pending() if commands else []
+                if pending:
+                    # NOTE: a prefilled request's first token goes out now, not with the
+                    # next step's token.
+                    self._emit(pending, time.monotonic())
                 if commands or self.engine.has_unfinished_requests():
                     self._step()
                 if self._leases:
@@ -697,9 +702,13 @@ class AsyncEngine:
 
     def _step(self) -> None:
         started = time.monotonic()
-        deltas = self.engine.step()
+        self._emit(self.engine.step(), started)
+
+    def _emit(self, deltas: list[CompletionDelta], step_started: float) -> None:
+        """Turn deltas (a step's, or those made between steps) into chunks and hand them
+        to their streams; publish the load."""
         now, wall = time.monotonic(), time.time()
-        self._mark_scheduled(started)
+        self._mark_scheduled(step_started)
         grouped: dict[str, list[CompletionDelta]] = {}
         for delta in deltas:
             grouped.setdefault(delta.request_id, []).append(delta)

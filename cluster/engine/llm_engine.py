@@ -250,6 +250,12 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------
 
+    def take_pending(self) -> list[CompletionDelta]:
+        """The deltas made between steps (a prefilled request's first token, aborts), now,
+        without running a step; :meth:`step` would return them with its own otherwise."""
+        deltas, self._pending = self._pending, []
+        return deltas
+
     def step(self) -> list[CompletionDelta]:
         """Run one engine step; returns what each completion gained (plus aborts since the last step)."""
         deltas, self._pending = self._pending, []

@@ -201,6 +201,8 @@ def test_prefill_then_decode_on_another_engine_gives_the_colocated_tokens(pd, or
     for prompt, (ticket, chunks, releases) in zip(prompts, results):
         want = oracle(prompt)
         assert joined_tokens(chunks) == want
+        # The first token goes out on its own as soon as the blocks are in, before any step.
+        assert joined_tokens(chunks[:1]) == [want[0]]
         assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
         last = chunks[-1]
         assert (last.prompt_tokens, last.completion_tokens, last.error) == (len(prompt), len(want), None)
