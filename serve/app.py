@@ -304,7 +304,7 @@ def serve_options(
     replica when DP attention keeps the DP ranks inside one engine). PD mode
     (``disaggregation_mode="pd"``): one prefill and one decode replica by default;
     ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback."""
-    from flotilla.serve.kv_transfer import default_kv_transport
+    from flotilla.serve.kv_endpoint import default_kv_transport
 
     defaults = ServeOptions()
     if num_replicas is None:

@@ -14,20 +14,22 @@ import uuid
 import pytest
 import torch
 
-from flotilla.serve.kv_transfer import (
+from flotilla.serve.kv_endpoint import (
     KV_TRANSPORTS,
-    BlockLeases,
-    HeadSpan,
     KVEndpoint,
     KVEndpointFactory,
+    default_kv_transport,
+    plan_head_reads,
+)
+from flotilla.serve.kv_transfer import (
+    BlockLeases,
+    HeadSpan,
     KVTransferError,
     NixlTransport,
     RayObjectTransport,
     RegionLayout,
     block_runs,
     check_compatible,
-    default_kv_transport,
-    plan_head_reads,
 )
 
 ray = pytest.importorskip("ray")

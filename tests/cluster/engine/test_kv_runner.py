@@ -34,7 +34,7 @@ from flotilla.cluster.models.base import ParallelLayout  # noqa: E402
 from flotilla.cluster.models.layers import kv_head_span  # noqa: E402
 from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
-from flotilla.serve.kv_transfer import KVEndpointFactory  # noqa: E402
+from flotilla.serve.kv_endpoint import KVEndpointFactory  # noqa: E402
 from helpers.prompts import random_prompts  # noqa: E402
 from helpers.tiny_deepseek import save_tiny_deepseek_v2  # noqa: E402
 from helpers.torch_threads import one_intra_op_thread  # noqa: E402
