@@ -17,10 +17,29 @@ def data_parallelism_defaults(view, model, platform):
 
     NOTE: runs after the model providers, so it also resets a DP-attention
     declaration a context-parallel provider made.
+
+    FLOTILLA DEVIATION: a ``--elastic-ep-backend ray`` deployment that may
+    scale up (``--max-ep-size`` above its TP size) keeps the DP attention the
+    user asked for, and the DP LM head as given, at dp_size 1: it starts at one
+    rank and grows to ``--max-ep-size`` DP ranks, and the elastic layout
+    (ep == dp == tp inside the group, ``_handle_elastic_ep``) needs DP attention
+    from the start. Every other backend, and every run without the ray
+    backend, is reset as in SGLang.
     """
-    if view.dp_size == 1 and view.ep_join_mode != "scale":
+    if view.dp_size == 1 and view.ep_join_mode != "scale" and not _ray_elastic_keeps_dp_attention(view):
         return {"enable_dp_attention": False, "enable_dp_lm_head": False}
     return None
+
+
+def _ray_elastic_keeps_dp_attention(view):
+    """Whether a scaling ``ray`` elastic-EP deployment asked for DP attention itself."""
+    return (
+        view.elastic_ep_backend == "ray"
+        and view.max_ep_size is not None
+        and view.max_ep_size > view.tp_size
+        and view.explicit("enable_dp_attention")
+        and view.enable_dp_attention
+    )
 
 
 def _clamped_prefill_graph(view, chunked_prefill_size):
