@@ -201,6 +201,13 @@ class Worker:
         """Steps this rank ran, and how many of them were empty (an idle DP rank's)."""
         return {"steps": self.num_steps, "empty_steps": self.num_empty_steps}
 
+    def expert_load(self) -> dict | None:
+        """This rank's routed-pair counts per logical expert (``ModelRunner.expert_load``): the
+        tokens its own router saw (attention-TP ranks of one DP rank see the same tokens)."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: expert_load() before load()")
+        return self.runner.expert_load()
+
     def _step_logits(self, schedule: SchedulerOutput) -> torch.Tensor:
         """Forward one step; the float32 logits ``[N, V]`` of its N sampling requests (on CPU)."""
         runner = self.runner
@@ -208,7 +215,7 @@ class Worker:
             input_ids, positions, meta, sample_index = runner.prepare_inputs(schedule)
             # NOTE: runs for an empty part too (zero tokens): the rank still joins the step's
             # collectives (attention TP; MoE layers across DP ranks).
-            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+            hidden = runner.forward(input_ids, positions, meta)
             if sample_index.numel() == 0:
                 return torch.empty(0, runner.vocab_size, dtype=torch.float32)
             # NOTE: compute_logits all-gathers the vocab shards over attention TP: every rank

@@ -20,6 +20,7 @@ from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.engine.weight_packing import pack_linear_layers
 from flotilla.cluster.models.base import ParallelLayout
+from flotilla.cluster.models.expert_load import ExpertLoadRecorder, attach_load_recorder
 from flotilla.cluster.models.sources import ModelSource, load_model
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
@@ -112,6 +113,7 @@ class ModelRunner:
         )
         if pack_weights and self.device.type == "cpu":
             pack_linear_layers(self.model)
+        self.load_recorder = self._make_load_recorder(config)
         self.vocab_size = int(source.config_dict["vocab_size"])
         spec = self.model.kv_cache_spec()
         dcp_size = self.parallel.dcp_size
@@ -134,6 +136,24 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         # This rank's KV endpoint for prefill/decode disaggregation (see kv_attach).
         self.kv_port = KVPort(self.parallel.tp_rank)
+
+    def _make_load_recorder(self, config: ResolvedConfig) -> ExpertLoadRecorder | None:
+        """One recorder on every MoE layer when the resolved recorder mode is ``stat``."""
+        mode = config.expert_distribution_recorder_mode
+        if mode is None:
+            return None
+        if mode != "stat":
+            raise NotImplementedError(
+                f"expert_distribution_recorder_mode={mode!r} is not supported; flotilla records per-expert "
+                f"counts only: use --expert-distribution-recorder-mode stat"
+            )
+        return attach_load_recorder(self.model, config.expert_distribution_recorder_buffer_size)
+
+    def expert_load(self) -> dict | None:
+        """The recorder's snapshot (see ``ExpertLoadRecorder.snapshot``): routed pairs per logical
+        expert of each MoE layer, in its window; None when recording is off or the model has no
+        MoE layer."""
+        return None if self.load_recorder is None else self.load_recorder.snapshot()
 
     def _kv_cache_tokens(self, bytes_per_token: int, dcp_size: int = 1) -> int:
         """Cache rows this rank holds. ``--max-total-tokens`` counts the engine's (logical)
@@ -164,13 +184,20 @@ class ModelRunner:
         """Run one step; returns one token per scheduled request that samples (in schedule
         order), sampled with ``rows`` (one per such request, same order)."""
         input_ids, positions, meta, sample_index = self.prepare_inputs(step)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.forward(input_ids, positions, meta)
         if not rows:
             return []
         if len(rows) != sample_index.shape[0]:
             raise ValueError(f"{len(rows)} sampling rows for {sample_index.shape[0]} sampling requests")
         logits = self.model.compute_logits(hidden.index_select(0, sample_index))
         return self.sampler(logits, rows)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One forward pass over the paged KV cache (counted as one pass by the load recorder)."""
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.load_recorder is not None:
+            self.load_recorder.end_pass()
+        return hidden
 
     def prepare_inputs(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids[T], positions[T], meta, sample_index[N])`` of a step, where

@@ -105,7 +105,15 @@ class FusedMoE(nn.Module):
         placement: the logical -> physical map; its ``ep_size`` must be ``parallel.ep_size``.
         dtype: weight dtype.
         backend: kernel backend of ``select_experts`` / ``fused_moe``.
+
+    ``load_recorder`` (None by default): an
+    :class:`~flotilla.cluster.models.expert_load.ExpertLoadRecorder` that each forward hands the
+    router's logical ``topk_ids`` (as layer ``load_layer_index``); set by
+    :func:`~flotilla.cluster.models.expert_load.attach_load_recorder`.
     """
+
+    load_recorder = None
+    load_layer_index = 0
 
     def __init__(
         self,
@@ -292,4 +300,6 @@ class FusedMoE(nn.Module):
         expert and every MoE-TP slice). ``T`` may be 0 (an idle DP-attention rank), and every
         rank of the engine group must call it, since it may run collectives."""
         weights, ids = self.route(router_logits, correction_bias)
+        if self.load_recorder is not None:
+            self.load_recorder.record(self.load_layer_index, ids)
         return self.dispatcher(self, hidden, weights, ids)
