@@ -27,19 +27,17 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serve_bench import random_token_prompts, server_flags  # noqa: E402
+
 RAW_READS = 20
-
-
-def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
 
 
 def _free_port() -> int:
@@ -144,10 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("flags", nargs="*", help="server fields as key=value (e.g. max_total_tokens=8192)")
     opts = parser.parse_args(argv)
-    flags = dict(f.split("=", 1) for f in opts.flags)
-    flags = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in flags.items()}
     # NOTE: distinct prompts, and no cache across rounds: every request computes and moves its whole prompt.
-    flags.setdefault("disable_radix_cache", True)
+    flags = server_flags(opts.flags)
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -170,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     colocated_options = serve_options(colocated, model=model)
     pd_options = serve_options(decode, model=model, disaggregation_mode="pd", kv_transport=opts.kv_transport)
     source = resolve_model_source(model)
-    prompts = _prompts(opts.num_requests, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed)
+    prompts = random_token_prompts(opts.num_requests, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed)
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -184,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(which: str, batch: list[list[int]], output_len: int, concurrency: int):
         return asyncio.run(http_load(urls[which], name, batch, output_len, concurrency))
 
-    warm = _prompts(4, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed + 1)
+    warm = random_token_prompts(4, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed + 1)
     for which in urls:
         run(which, warm, 4, 2)
     start_totals = _settled_totals(urls["pd"])

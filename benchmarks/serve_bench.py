@@ -27,9 +27,19 @@ import time
 from pathlib import Path
 
 
-def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def random_token_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``num`` seeded random token-id prompts of ``length`` (ids 0-2 left out: special tokens)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def server_flags(pairs: list[str]) -> dict:
+    """Server fields from ``key=value`` arguments (integers as ints); the prefix cache off
+    unless given, so repeated rounds do not get faster."""
+    flags = dict(pair.split("=", 1) for pair in pairs)
+    flags = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in flags.items()}
+    flags.setdefault("disable_radix_cache", True)
+    return flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("flags", nargs="*", help="server fields as key=value (e.g. max_total_tokens=8192)")
     opts = parser.parse_args(argv)
-    flags = dict(f.split("=", 1) for f in opts.flags)
-    flags = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in flags.items()}
-    flags.setdefault("disable_radix_cache", True)
+    flags = server_flags(opts.flags)
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -66,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     config, model = resolve_for_serving({**flags, "port": port})
     options = serve_options(config, model=model)
     source = resolve_model_source(model)
-    prompts = _prompts(opts.num_requests, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed)
+    prompts = random_token_prompts(opts.num_requests, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed)
     warm = prompts[:4]
 
     url = deploy(config, options)

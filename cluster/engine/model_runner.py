@@ -257,7 +257,11 @@ class ModelRunner:
         each cache tensor (the model's layout; MLA: ``(0, 1, 1)``, replicated)."""
         span = getattr(self.model, "kv_head_span", None)
         if span is None:
-            raise NotImplementedError(f"{type(self.model).__name__} does not report its KV head span (kv_head_span())")
+            raise NotImplementedError(
+                f"{type(self.model).__name__} does not report which KV heads a rank holds, which prefill/decode "
+                "disaggregation needs: give the model a kv_head_span() (see cluster/models/layers.kv_head_span), "
+                "or serve it colocated"
+            )
         return tuple(int(x) for x in span())
 
     def kv_attach(self, factory: KVEndpointFactory, rank: int | None = None) -> None:
