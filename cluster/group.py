@@ -13,12 +13,21 @@ Every wait is bounded. A dead rank, a rank that raised, or a wait that ran out o
 time becomes a :class:`WorkerGroupError` naming the rank and the reason; the group
 is then broken (every later call raises the same error) and must be shut down and
 rebuilt.
+
+Elastic EP (:mod:`flotilla.cluster.elastic`) grows a group while it serves:
+:meth:`WorkerGroup.start_joiners` reserves a placement group for the new ranks and has
+them load (nothing of the running group changes), :meth:`WorkerGroup.commit_joiners`
+moves every rank to the grown world at once (the caller pauses the steps around it), and
+:meth:`WorkerGroup.discard_joiners` kills joiners that will not join. A failed commit puts
+the running ranks back on their old world; only if that fails too is the group broken.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import ray
@@ -26,6 +35,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from flotilla.cluster.elastic import ElasticJoinError
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.cluster.topology import Topology
 from flotilla.cluster.worker import DEFAULT_COLLECTIVE_TIMEOUT_S, StepBatch, WorkerActor, WorkerInfo
@@ -38,6 +48,26 @@ _LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # UCX settings of the process building the group, handed to its ranks (their KV endpoints
 # use NIXL over UCX; e.g. UCX_NET_DEVICES=lo keeps a one-box deployment on loopback).
 _UCX_ENV = ("UCX_NET_DEVICES", "UCX_TLS")
+
+
+@dataclass
+class Joiners:
+    """Ranks started for a grown elastic EP group, loaded and not yet in it.
+
+    Attributes:
+        topology: the grown group's topology (the joiners' ranks are its last ones).
+        placements: the grown expert placement of every MoE layer (decoder layer index ->
+            ExpertPlacement), which the joiners were built with.
+        actors: one Worker actor per joining rank, in rank order.
+        placement: the joiners' own placement group.
+        infos: what each joiner reported after loading (its KV layout), in rank order.
+    """
+
+    topology: Topology
+    placements: dict
+    actors: list[Any]
+    placement: Any
+    infos: list[WorkerInfo] = field(default_factory=list)
 
 
 class WorkerGroupError(RuntimeError):
@@ -95,8 +125,11 @@ class WorkerGroup:
         self.digest = config.digest
         self._error: WorkerGroupError | None = None
         self.actors: list[Any] = []
-        on_gpu = (config.device or "cpu") == "cuda"
-        bundle = {"GPU": 1} if on_gpu else {"CPU": CPU_BUNDLE_SHARE}
+        bundle = _rank_bundle(config)
+        self.config = config
+        self.collective_timeout_s = collective_timeout_s or min(rpc_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
+        # Placement groups of ranks that joined later (elastic EP), released at shutdown.
+        self._join_placements: list[Any] = []
         self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
         try:
             ray.get(self.placement.ready(), timeout=rpc_timeout_s)
@@ -106,15 +139,8 @@ class WorkerGroup:
                 None, f"no placement for {world_size} bundles of {bundle} within {rpc_timeout_s}s (cluster too small?)"
             ) from None
         port = free_loopback_port()
-        collective = collective_timeout_s or min(rpc_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
-        resources = {"num_gpus": 1, "num_cpus": 0} if on_gpu else {"num_cpus": CPU_BUNDLE_SHARE}
-        env = dict(_LOOPBACK_ENV, **{k: os.environ[k] for k in _UCX_ENV if k in os.environ})
         for rank in range(world_size):
-            strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
-            actor = WorkerActor.options(
-                scheduling_strategy=strategy, runtime_env={"env_vars": env}, **resources
-            ).remote(rank, world_size, self.digest, port, collective)
-            self.actors.append(actor)
+            self.actors.append(self._start_actor(self.placement, rank, rank, world_size, self.digest, port))
         try:
             # NOTE: ONE put; every rank receives the same object (Ray resolves a
             # top-level ObjectRef argument to its value before the method runs).
@@ -127,6 +153,16 @@ class WorkerGroup:
         self.infos = infos
         self.kv_layout = infos[0].kv_layout
         self.vocab_size = infos[0].vocab_size
+
+    def _start_actor(self, placement: Any, bundle: int, rank: int, world_size: int, digest: str, port: int) -> Any:
+        """One Worker actor for ``rank`` in bundle ``bundle`` of ``placement``."""
+        on_gpu = (self.config.device or "cpu") == "cuda"
+        resources = {"num_gpus": 1, "num_cpus": 0} if on_gpu else {"num_cpus": CPU_BUNDLE_SHARE}
+        env = dict(_LOOPBACK_ENV, **{k: os.environ[k] for k in _UCX_ENV if k in os.environ})
+        strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle)
+        return WorkerActor.options(scheduling_strategy=strategy, runtime_env={"env_vars": env}, **resources).remote(
+            rank, world_size, digest, port, self.collective_timeout_s
+        )
 
     # -- the step seam --------------------------------------------------------
 
@@ -186,6 +222,122 @@ class WorkerGroup:
             raise raised[0]
         return results
 
+    # -- elastic EP: joining ranks ----------------------------------------------------
+
+    def start_joiners(
+        self, config: ResolvedConfig, source: ModelSource, topology: Topology, placements: dict, timeout_s: float
+    ) -> Joiners:
+        """Start and load the ranks ``[world_size, topology.world_size)`` of a grown group.
+
+        ``config`` is the joiners' own resolved config (broadcast to them with one put and
+        checked against its digest, as at start); each joiner builds its shard with
+        ``topology`` and ``placements``. Their placement group (one bundle per joiner, PACK:
+        joiners may land on other nodes) is separate from the group's. Nothing of the running
+        ranks is touched, so the group keeps serving meanwhile.
+
+        Everything is bounded by ``timeout_s``; ElasticJoinError (joiners killed, placement
+        released) when the placement is not granted, a joiner dies or raises, or time runs out.
+        """
+        if self._error is not None:
+            raise ElasticJoinError(f"the running group is broken: {self._error}")
+        deadline = time.monotonic() + timeout_s
+        first, count = self.world_size, topology.world_size - self.world_size
+        if count < 1:
+            raise ElasticJoinError(f"the grown topology has {topology.world_size} ranks, the group already {first}")
+        bundle = _rank_bundle(self.config)
+        placement = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
+        joiners = Joiners(topology, placements, [], placement)
+        try:
+            try:
+                ray.get(placement.ready(), timeout=max(0.0, deadline - time.monotonic()))
+            except GetTimeoutError:
+                raise ElasticJoinError(
+                    f"no placement for {count} joining ranks ({bundle} each) within --elastic-ep-scale-timeout "
+                    f"({timeout_s:g}s): the cluster has no room for them and did not grow"
+                ) from None
+            for i in range(count):
+                joiners.actors.append(self._start_actor(placement, i, first + i, topology.world_size, config.digest, 0))
+            config_ref = ray.put(config)
+            self._settle_joiners(joiners, [a.accept_config.remote(config_ref) for a in joiners.actors], "accept the config", deadline)
+            refs = [a.load_joiner.remote(source, topology, placements) for a in joiners.actors]
+            joiners.infos = self._settle_joiners(joiners, refs, "load its shard", deadline)
+        except BaseException:
+            self.discard_joiners(joiners)
+            raise
+        return joiners
+
+    def commit_joiners(self, joiners: Joiners) -> None:
+        """Move every rank, old and joining, to the grown world at once; the joiners become
+        ranks of this group. Call it between steps (no step may run meanwhile).
+
+        Bounded by the collective timeout (the rendezvous) plus the RPC bound. On failure the
+        joiners are killed, the running ranks rejoin their old world with their old placements
+        and ElasticJoinError is raised; if even that fails the group is broken
+        (WorkerGroupError on every later call) and the error says so.
+        """
+        if self._error is not None:
+            self.discard_joiners(joiners)
+            raise ElasticJoinError(f"the running group is broken: {self._error}")
+        bound = self.collective_timeout_s + self.rpc_timeout_s
+        # NOTE: a joiner that died while waiting would leave the others in the rendezvous
+        # until the collective timeout: check they are alive first.
+        try:
+            self._settle_joiners(joiners, [a.ping.remote() for a in joiners.actors], "answer before the commit", time.monotonic() + self.rpc_timeout_s)
+        except ElasticJoinError:
+            self.discard_joiners(joiners)
+            raise
+        port = free_loopback_port()
+        everyone = self.actors + joiners.actors
+        refs = [a.elastic_commit.remote(joiners.topology, port, joiners.placements) for a in everyone]
+        outcomes = _settle(refs, bound)
+        failed = [(rank, out) for rank, out in enumerate(outcomes) if isinstance(out, BaseException)]
+        if not failed:
+            self.actors = everyone
+            self.infos = self.infos + joiners.infos
+            self.topology = joiners.topology
+            self.world_size = joiners.topology.world_size
+            self._join_placements.append(joiners.placement)
+            return
+        rank, exc = failed[0]
+        reason = f"rank {rank} failed to join the grown world of {len(everyone)} ranks: {_first_line(exc)}"
+        self.discard_joiners(joiners)
+        self._roll_back(reason, bound)
+        raise ElasticJoinError(f"{reason}; the group kept its {self.world_size} ranks")
+
+    def _roll_back(self, reason: str, bound: float) -> None:
+        """Put the running ranks back on their old world after a failed commit (or break the group)."""
+        port = free_loopback_port()
+        outcomes = _settle([a.elastic_rollback.remote(port) for a in self.actors], bound)
+        failed = [(rank, out) for rank, out in enumerate(outcomes) if isinstance(out, BaseException)]
+        if failed:
+            rank, exc = failed[0]
+            self._error = WorkerGroupError(rank, f"could not return to the old world after a failed join ({reason}): {_first_line(exc)}")
+            raise ElasticJoinError(f"{reason}; and the group broke going back: {self._error}")
+
+    def discard_joiners(self, joiners: Joiners) -> None:
+        """Kill joiners that will not join and release their placement group (idempotent)."""
+        for actor in joiners.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        joiners.actors = []
+        if joiners.placement is not None:
+            try:
+                remove_placement_group(joiners.placement)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+            joiners.placement = None
+
+    def _settle_joiners(self, joiners: Joiners, refs: list, what: str, deadline: float) -> list[Any]:
+        """Every joiner's result by ``deadline``; ElasticJoinError naming the joiner otherwise."""
+        outcomes = _settle(refs, max(0.0, deadline - time.monotonic()))
+        for index, out in enumerate(outcomes):
+            if isinstance(out, BaseException):
+                rank = self.world_size + index
+                raise ElasticJoinError(f"joining rank {rank} did not {what}: {_first_line(out)}")
+        return outcomes
+
     def _gather(self, refs: Sequence[ray.ObjectRef], what: str) -> list[Any]:
         """Every rank's result, with ONE bounded ``ray.get`` over all of them."""
         try:
@@ -228,14 +380,40 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.actors = []
-        if self.placement is not None:
+        for placement in [self.placement, *self._join_placements]:
+            if placement is None:
+                continue
             try:
-                remove_placement_group(self.placement)
+                remove_placement_group(placement)
             except Exception:  # noqa: BLE001 - already removed
                 pass
-            self.placement = None
+        self.placement, self._join_placements = None, []
         if self._error is None:
             self._error = WorkerGroupError(None, "the group was shut down")
+
+
+def _rank_bundle(config: ResolvedConfig) -> dict[str, float]:
+    """One rank's placement-group bundle: a GPU on GPU nodes, a CPU share on CPU nodes."""
+    return {"GPU": 1} if (config.device or "cpu") == "cuda" else {"CPU": CPU_BUNDLE_SHARE}
+
+
+def _settle(refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
+    """Each ref's result, or the exception it ended with (``GetTimeoutError`` for one still
+    pending after ONE bounded wait for all of them); never raises."""
+    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    pending_ids = {r.hex() for r in pending}
+    outcomes: list[Any] = []
+    for ref in refs:
+        if ref.hex() in pending_ids:
+            outcomes.append(GetTimeoutError(f"no answer within {timeout_s:g}s"))
+            continue
+        try:
+            outcomes.append(ray.get(ref, timeout=0))
+        except RayTaskError as exc:
+            outcomes.append(exc.cause if exc.cause is not None else exc)
+        except Exception as exc:  # noqa: BLE001 - a dead actor, or anything else: reported
+            outcomes.append(exc)
+    return outcomes
 
 
 def _first_line(exc: BaseException) -> str:

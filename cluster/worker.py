@@ -14,6 +14,12 @@
    returns the sampled tokens. Under DP attention every rank runs its DP rank's part
    of the step (an empty part too: the rank still joins every collective) and each
    DP rank's leader (attention-TP rank 0) returns that part's result.
+
+Elastic EP (:mod:`flotilla.cluster.elastic`): a rank joining a running group is built with
+:meth:`Worker.load_joiner` (the grown topology and expert placements, no communicators yet);
+at the commit every rank, old and new, calls :meth:`Worker.elastic_commit` (leave the old
+world, join the grown one, adopt the grown placements), and a failed commit is undone on the
+running ranks with :meth:`Worker.elastic_rollback`.
 """
 
 from __future__ import annotations
@@ -111,6 +117,10 @@ class Worker:
         self.config: ResolvedConfig | None = None
         self.runner: ModelRunner | None = None
         self.layout: ParallelLayout | None = None
+        # The layout this rank runs (the config's, until an elastic EP commit grows it).
+        self.topology: Topology | None = None
+        # (topology, expert placements) before the last elastic commit, for a rollback.
+        self._before_commit: tuple[Topology, dict] | None = None
         self.num_steps = 0
         self.num_empty_steps = 0
         self._is_dp_leader: bool | None = None
@@ -140,31 +150,96 @@ class Worker:
                 f"rank {self.rank}: the config's tp_size={topology.world_size} is not this group's "
                 f"world_size={self.world_size}"
             )
-        layout = ParallelLayout.for_rank(
+        self.topology = topology
+        self.layout = self._layout(topology, self._init_distributed(topology, self.master_port))
+        self.runner = build_runner(self.config, source, self.layout)
+        return self._info()
+
+    def load_joiner(self, source: ModelSource, topology: Topology, placements: dict) -> WorkerInfo:
+        """Build this JOINING rank's shard for the grown elastic EP group ``topology`` (its
+        ``world_size`` is this worker's): the non-expert weights and the expert slots that
+        ``placements`` (decoder layer index -> ExpertPlacement) give this rank, and its KV
+        cache. No communicator yet: the rank joins the group's at :meth:`elastic_commit`."""
+        if self.config is None:
+            raise RuntimeError(f"rank {self.rank}: load_joiner() before accept_config()")
+        if topology.world_size != self.world_size:
+            raise ValueError(
+                f"rank {self.rank}: the grown topology has world_size={topology.world_size}, this joiner "
+                f"was started for world_size={self.world_size}"
+            )
+        self.topology = topology
+        self.layout = self._layout(topology, {})
+        self.runner = ModelRunner(self.config, source, parallel=self.layout, expert_placements=placements)
+        return self._info()
+
+    def expert_placements(self) -> dict:
+        """The expert placement of every MoE layer this rank runs (decoder layer index ->
+        ExpertPlacement; every rank of a group holds the same maps)."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: expert_placements() before load()")
+        return self.runner.expert_placements()
+
+    def elastic_commit(self, topology: Topology, port: int, placements: dict) -> int:
+        """Join the grown group ``topology`` (rendezvous on loopback ``port``) and adopt
+        ``placements``; returns this rank. Every rank of the grown group, old and joining,
+        calls it at once (the rendezvous waits for all of them, bounded by the collective
+        timeout). A running rank keeps its weights (the placements keep its slots)."""
+        if self.runner is None or self.topology is None:
+            raise RuntimeError(f"rank {self.rank}: elastic_commit() before load()")
+        self._before_commit = (self.topology, self.runner.expert_placements())
+        self._rejoin(topology, port, placements)
+        return self.rank
+
+    def elastic_rollback(self, port: int) -> int:
+        """Undo the last :meth:`elastic_commit` (which failed somewhere in the group): rejoin the
+        old group's ranks on loopback ``port`` and restore the old placements; returns this rank."""
+        if self._before_commit is None:
+            raise RuntimeError(f"rank {self.rank}: elastic_rollback() without an elastic_commit() to undo")
+        topology, placements = self._before_commit
+        self._rejoin(topology, port, placements)
+        self._before_commit = None
+        return self.rank
+
+    def _rejoin(self, topology: Topology, port: int, placements: dict) -> None:
+        from flotilla.cluster.distributed import destroy
+
+        # NOTE: leave the old world first (a no-op at one rank); from here on this rank's
+        # communicators are the new world's, or none if the rendezvous fails (then only a
+        # rollback or a kill follows, never a step).
+        destroy()
+        self.world_size = topology.world_size
+        layout = self._layout(topology, self._init_distributed(topology, port))
+        self.runner.rewire(layout, placements)
+        self.layout, self.topology = layout, topology
+        self._is_dp_leader = None
+
+    def _layout(self, topology: Topology, comms: dict[str, Any]) -> ParallelLayout:
+        return ParallelLayout.for_rank(
             topology,
             self.rank,
-            self._init_distributed(topology),
+            comms,
             moe_a2a_backend=self.config.moe_a2a_backend or "none",
             dcp_comm_backend=self.config.dcp_comm_backend or "ag_rs",
         )
-        self.layout = layout
-        self.runner = build_runner(self.config, source, layout)
+
+    def _info(self) -> WorkerInfo:
         return WorkerInfo(self.rank, self.config.digest, self.runner.kv_layout, self.runner.vocab_size)
 
-    def _init_distributed(self, topology: Topology) -> dict[str, Any]:
-        """This rank's communicators: gloo on CPU, NCCL on CUDA (one GPU per rank: Ray sets
-        ``CUDA_VISIBLE_DEVICES`` to the rank's GPU, so it is ``cuda:0`` here)."""
+    def _init_distributed(self, topology: Topology, port: int) -> dict[str, Any]:
+        """This rank's communicators in ``topology`` (rendezvous on loopback ``port``): gloo on
+        CPU, NCCL on CUDA (one GPU per rank: Ray sets ``CUDA_VISIBLE_DEVICES`` to the rank's
+        GPU, so it is ``cuda:0`` here)."""
         from flotilla.cluster.distributed import init_process_groups
 
         on_cuda = (self.config.device or "cpu") == "cuda"
         device = None
-        if on_cuda and self.world_size > 1:
+        if on_cuda and topology.world_size > 1:
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         return init_process_groups(
             topology,
             self.rank,
-            self.master_port,
+            port,
             self.collective_timeout_s,
             backend="nccl" if on_cuda else "gloo",
             device=device,
@@ -194,7 +269,7 @@ class Worker:
     def _leads_dp_rank(self) -> bool:
         """Whether this rank returns its DP rank's results (Topology.attn_dp_leaders)."""
         if self._is_dp_leader is None:
-            self._is_dp_leader = self.rank in Topology.from_config(self.config).attn_dp_leaders
+            self._is_dp_leader = self.rank in self.topology.attn_dp_leaders
         return self._is_dp_leader
 
     def step_stats(self) -> dict[str, int]:
@@ -265,13 +340,16 @@ class Worker:
         if self.runner is not None:
             self.runner.kv_detach()
 
+    def ping(self) -> int:
+        """This rank (a liveness check before a rendezvous)."""
+        return self.rank
+
     def shutdown(self) -> None:
         """Close the KV endpoint and leave the process group."""
         self.kv_detach()
-        if self.world_size > 1:
-            from flotilla.cluster.distributed import destroy
+        from flotilla.cluster.distributed import destroy
 
-            destroy()
+        destroy()
 
 
 def build_runner(config: ResolvedConfig, source: ModelSource, layout: ParallelLayout) -> ModelRunner:

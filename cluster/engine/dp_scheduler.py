@@ -53,15 +53,25 @@ def attention_dp_size(config: "ResolvedConfig") -> int:
     return int(config.dp_size or 1) if config.enable_dp_attention else 1
 
 
+def can_grow_elastic_ep(config: "ResolvedConfig") -> bool:
+    """Whether the engine group may grow while serving: flotilla's ``ray`` elastic EP backend
+    with ``max_ep_size`` above the launch size (the group then runs on Ray workers even at one
+    rank, and its scheduler is a :class:`DPScheduler` even at one DP rank)."""
+    max_ep, backend = getattr(config, "max_ep_size", None), getattr(config, "elastic_ep_backend", None)
+    return backend == "ray" and max_ep is not None and int(max_ep) > int(getattr(config, "tp_size", 1) or 1)
+
+
 def build_scheduler(config: "ResolvedConfig", scheduler_config: SchedulerConfig) -> "Scheduler | DPScheduler":
     """The engine's scheduler: a :class:`DPScheduler` over :func:`attention_dp_size` DP ranks
-    when that is above 1, else a plain :class:`Scheduler` with ``scheduler_config``.
+    when that is above 1 (or when the group may grow, :func:`can_grow_elastic_ep`), else a
+    plain :class:`Scheduler` with ``scheduler_config``.
 
     ``scheduler_config`` is one DP rank's (its pool is one DP rank's KV cache); under DP
-    attention an explicit ``max_running_requests`` is split evenly over the DP ranks.
+    attention an explicit ``max_running_requests`` is split evenly over the DP ranks at
+    launch (DP ranks added by elastic EP get the same per-rank budgets).
     """
     dp_size = attention_dp_size(config)
-    if dp_size == 1:
+    if dp_size == 1 and not can_grow_elastic_ep(config):
         return Scheduler(scheduler_config)
     if config.max_running_requests:
         per_rank = max(1, int(config.max_running_requests) // dp_size)
@@ -263,6 +273,16 @@ class DPScheduler:
         """``(running + waiting requests, used KV blocks)`` of a DP rank: the routing order."""
         scheduler = self.schedulers[dp_rank]
         return scheduler.num_running + scheduler.num_waiting, scheduler.pool.num_used_blocks
+
+    def grow(self, new_dp_size: int) -> None:
+        """Add DP ranks ``[dp_size, new_dp_size)``, each with a fresh scheduler and KV pool of
+        the same per-rank budgets (elastic EP: the worker group grew by as many ranks). Live
+        requests stay where they are; new ones are routed over every rank from now on."""
+        if isinstance(new_dp_size, bool) or not isinstance(new_dp_size, int) or new_dp_size < self.dp_size:
+            raise ValueError(f"new_dp_size must be an integer >= dp_size={self.dp_size} (got new_dp_size={new_dp_size!r})")
+        self.schedulers += [Scheduler(self.config) for _ in range(new_dp_size - self.dp_size)]
+        self.dp_size = new_dp_size
+        self.pool = CombinedPools(self.schedulers)
 
     # ---- lifecycle -------------------------------------------------------------
 

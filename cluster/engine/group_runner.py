@@ -14,6 +14,13 @@ NOTE: sampling stays on the driver so a seeded request's ``torch.Generator`` (he
 the engine, advanced once per step) keeps its state across steps; shipping it to the
 ranks would sample from a fresh copy every step.
 
+Elastic EP (``--elastic-ep-backend ray``, :mod:`flotilla.cluster.elastic`): a group in the
+elastic layout grows while serving. :meth:`GroupRunner.prepare_join` plans the grown layout
+and expert placements and has the joiners load (from any thread: the running ranks only
+answer two short queries between steps); :meth:`GroupRunner.commit_join` moves every rank
+to the grown world (on the engine's thread, between steps); :meth:`GroupRunner.abort_join`
+drops joiners that will not join.
+
 For prefill/decode disaggregation each rank holds its own KV endpoint in its actor
 (``kv_attach(factory)``); ``kv_read`` has every rank pull the KV heads it holds from the
 peer engine's ranks that hold them, so prefill and decode may differ in TP size. A group
@@ -29,6 +36,13 @@ from typing import Any, Sequence
 
 import torch
 
+from flotilla.cluster.elastic import (
+    ElasticJoinError,
+    check_elastic_growth,
+    elastic_topology,
+    grow_placements,
+    summed_expert_load,
+)
 from flotilla.cluster.engine.dp_scheduler import DPSchedulerOutput
 from flotilla.cluster.engine.kv_ports import check_kv_attachable
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
@@ -73,6 +87,7 @@ class GroupRunner:
         world_size = int(config.tp_size or 1)
         ensure_ray(world_size)
         self.config = config
+        self.source = source
         # NOTE: logits come back to the driver on CPU; the driver samples there.
         self.device = torch.device("cpu")
         self.group = WorkerGroup(
@@ -106,6 +121,62 @@ class GroupRunner:
         if len(rows) != logits.shape[0]:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
         return self.sampler(logits, rows)
+
+    # -- elastic EP: growing the group ---------------------------------------------------
+
+    @property
+    def ep_size(self) -> int:
+        """The group's current EP size (grows with each committed join)."""
+        return self.group.topology.ep_size
+
+    @property
+    def dp_size(self) -> int:
+        """The group's current number of DP-attention ranks."""
+        return self.group.topology.attn_dp_size
+
+    def prepare_join(self, joiner_config: ResolvedConfig, new_size: int, timeout_s: float) -> Any:
+        """Plan a grown group of ``new_size`` ranks and start its joining ranks (resolved as
+        ``joiner_config``); returns the loaded :class:`~flotilla.cluster.group.Joiners` for
+        :meth:`commit_join` or :meth:`abort_join`.
+
+        The new ranks' expert slots hold copies chosen from the expert load the ranks measured
+        (``--expert-distribution-recorder-mode stat``; without it every expert counts alike).
+        Safe to call from a thread other than the engine's: the running ranks only answer two
+        queries, queued between their steps. ElasticJoinError when the growth is not allowed or
+        the joiners do not come up within ``timeout_s``.
+        """
+        check_elastic_growth(self.config, self.ep_size, new_size)
+        try:
+            topology = elastic_topology(self.group.topology, new_size)
+        except ValueError as exc:
+            raise ElasticJoinError(str(exc)) from None
+        placements = self.group.call("expert_placements")[0]
+        if not placements:
+            raise ElasticJoinError(f"{self.source.architecture} has no MoE layer: there is no expert parallelism to grow")
+        num_experts = next(iter(placements.values())).num_logical
+        loads = summed_expert_load(self.group.call("expert_load"), list(placements), num_experts)
+        grown = grow_placements(placements, new_size, loads)
+        joiners = self.group.start_joiners(joiner_config, self.source, topology, grown, timeout_s)
+        small = [info for info in joiners.infos if info.kv_layout.num_blocks < self.kv_layout.num_blocks]
+        if small or any(info.kv_layout.block_size != self.kv_layout.block_size for info in joiners.infos):
+            self.group.discard_joiners(joiners)
+            got = [(i.rank, i.kv_layout.num_blocks, i.kv_layout.block_size) for i in joiners.infos]
+            raise ElasticJoinError(
+                f"the joining ranks' KV pools (rank, blocks, block size) {got} are smaller than or unlike the "
+                f"running ranks' ({self.kv_layout.num_blocks} blocks of {self.kv_layout.block_size}); every DP "
+                "rank's scheduler is sized alike: give the joiners the same --max-total-tokens and page size"
+            )
+        return joiners
+
+    def commit_join(self, joiners: Any) -> None:
+        """Move every rank to the grown world (call between steps, on the engine's thread).
+        ElasticJoinError when it failed: the group then runs at its old size (see
+        :meth:`~flotilla.cluster.group.WorkerGroup.commit_joiners`)."""
+        self.group.commit_joiners(joiners)
+
+    def abort_join(self, joiners: Any) -> None:
+        """Kill prepared joiners that will not join (idempotent)."""
+        self.group.discard_joiners(joiners)
 
     # -- KV transfer (prefill/decode disaggregation): one endpoint per rank, in its actor ----
     # NOTE: every call goes through WorkerGroup.call: a rank's KVRankError (or ValueError)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback
-from flotilla.cluster.engine.dp_scheduler import build_scheduler
+from flotilla.cluster.engine.dp_scheduler import build_scheduler, can_grow_elastic_ep
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
 from flotilla.cluster.engine.outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput, StepLogprobs
 from flotilla.cluster.engine.request import Request, RequestStatus
@@ -303,6 +303,30 @@ class LLMEngine:
         self.scheduler = build_scheduler(self.config, scheduler_config_for(self.config, self.runner.kv_layout))
         self.dead = None
 
+    def commit_elastic_join(self, joiners: Any) -> None:
+        """Grow the engine by prepared joining ranks (``GroupRunner.prepare_join``): the worker
+        group moves to the grown world, then the scheduler gains the new DP ranks, so requests
+        are routed to them only once they are in the group. Call between steps.
+
+        ``ElasticJoinError`` when the commit failed (the engine keeps its old size and serves
+        on); NotImplementedError when this engine cannot grow (then nothing was touched).
+        """
+        grow = getattr(self.scheduler, "grow", None)
+        commit = getattr(self.runner, "commit_join", None)
+        if grow is None or commit is None:
+            raise NotImplementedError(
+                "this engine cannot grow: start it with --elastic-ep-backend ray and --max-ep-size above its size"
+            )
+        commit(joiners)
+        grow(self.runner.dp_size)
+
+    def dp_rank_of(self, request_id: str) -> int | None:
+        """The DP rank serving a live request (0 without DP attention; None when not live)."""
+        rank_of = getattr(self.scheduler, "rank_of", None)
+        if rank_of is None:
+            return 0 if self.scheduler.get(request_id) is not None else None
+        return rank_of(request_id)
+
     def _keep_for_stream(self, delta: CompletionDelta) -> None:
         parent = self._parents.get(delta.request_id)
         if parent is not None and parent.streaming:
@@ -503,8 +527,9 @@ def _require_handoff_support(scheduler: Any) -> None:
 
 
 def _build_runner(config: ResolvedConfig, source: ModelSource) -> Any:
-    """The in-process :class:`ModelRunner`, or a Ray worker group when ``tp_size > 1``."""
-    if int(config.tp_size or 1) > 1:
+    """The in-process :class:`ModelRunner`, or a Ray worker group when ``tp_size > 1`` or when
+    the group may grow (elastic EP: joining ranks need the running ones in a Ray group)."""
+    if int(config.tp_size or 1) > 1 or can_grow_elastic_ep(config):
         # NOTE: imported lazily: a single-rank engine never imports Ray.
         from flotilla.cluster.engine.group_runner import GroupRunner
 

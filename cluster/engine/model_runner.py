@@ -11,7 +11,7 @@ logits and hands them to the :class:`Sampler`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -19,7 +19,9 @@ from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.engine.weight_packing import pack_linear_layers
+from flotilla.cluster.eplb import ExpertPlacement
 from flotilla.cluster.models.base import ParallelLayout
+from flotilla.cluster.models.moe_layer import expert_placements, rewire_moe_layers
 from flotilla.cluster.models.expert_load import ExpertLoadRecorder, attach_load_recorder
 from flotilla.cluster.models.sources import ModelSource, load_model
 from flotilla.kernels import registry
@@ -90,6 +92,9 @@ class ModelRunner:
         pack_weights: on CPU, pre-pack linear weights for oneDNN (about 2x faster decode
             GEMMs; see :mod:`flotilla.cluster.engine.weight_packing`).
         parallel: this rank's tensor-parallel layout (one rank when omitted).
+        expert_placements: an explicit expert placement per MoE layer (decoder layer index ->
+            :class:`~flotilla.cluster.eplb.ExpertPlacement`; a rank joining a grown elastic EP
+            group); the trivial placement when omitted.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class ModelRunner:
         source: ModelSource,
         pack_weights: bool = True,
         parallel: ParallelLayout | None = None,
+        expert_placements: Mapping[int, ExpertPlacement] | None = None,
     ):
         self.config = config
         self.parallel = parallel or ParallelLayout()
@@ -110,6 +116,7 @@ class ModelRunner:
             parallel=self.parallel,
             load_format=config.load_format or "auto",
             num_redundant_experts=int(config.ep_num_redundant_experts or 0),
+            expert_placements=expert_placements,
         )
         if pack_weights and self.device.type == "cpu":
             pack_linear_layers(self.model)
@@ -154,6 +161,24 @@ class ModelRunner:
         expert of each MoE layer, in its window; None when recording is off or the model has no
         MoE layer."""
         return None if self.load_recorder is None else self.load_recorder.snapshot()
+
+    def expert_placements(self) -> dict[int, ExpertPlacement]:
+        """The expert placement of every MoE layer (decoder layer index -> placement)."""
+        return expert_placements(self.model)
+
+    def rewire(self, parallel: ParallelLayout, placements: Mapping[int, ExpertPlacement]) -> None:
+        """Adopt a grown (or restored) elastic EP layout: every MoE layer takes ``parallel``'s
+        communicators and its layer's placement from ``placements``; no weight moves (see
+        :func:`~flotilla.cluster.models.moe_layer.rewire_moe_layers`). Only the MoE view may
+        change: attention TP and DCP must stay as they are (ValueError otherwise)."""
+        old = self.parallel
+        if (parallel.tp_size, parallel.tp_rank, parallel.dcp_size) != (old.tp_size, old.tp_rank, old.dcp_size):
+            raise ValueError(
+                f"an elastic EP layout change keeps attention TP and DCP (attention TP {old.tp_size} -> "
+                f"{parallel.tp_size}, DCP {old.dcp_size} -> {parallel.dcp_size})"
+            )
+        rewire_moe_layers(self.model, parallel, dict(placements))
+        self.parallel = parallel
 
     def _kv_cache_tokens(self, bytes_per_token: int, dcp_size: int = 1) -> int:
         """Cache rows this rank holds. ``--max-total-tokens`` counts the engine's (logical)

@@ -119,6 +119,9 @@ class ModelConfig:
         attention_backend: name of the kernel backend for attention ops.
         num_redundant_experts: extra physical expert slots of every MoE layer
             (``--ep-num-redundant-experts``), holding copies of logical experts.
+        expert_placements: an explicit :class:`~flotilla.cluster.eplb.ExpertPlacement` per MoE
+            layer, keyed by decoder layer index (a rank joining a grown elastic EP group is built
+            with the group's grown placements); layers not listed get the trivial placement.
     """
 
     hf: Mapping[str, Any]
@@ -126,6 +129,7 @@ class ModelConfig:
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "torch"
     num_redundant_experts: int = 0
+    expert_placements: Mapping[int, Any] = field(default_factory=dict)
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.hf.get(key, default)

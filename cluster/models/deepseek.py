@@ -236,7 +236,7 @@ class DeepseekMoE(nn.Module):
     """Routed experts plus ``n_shared_experts`` shared ones (one MLP of
     ``n_shared_experts * moe_intermediate_size``)."""
 
-    def __init__(self, cfg: ModelConfig, scoring: str, correction_bias: bool, grouped: bool):
+    def __init__(self, cfg: ModelConfig, scoring: str, correction_bias: bool, grouped: bool, layer_index: int):
         super().__init__()
         hidden, num_experts = cfg.get("hidden_size"), cfg.get("n_routed_experts")
         inter = cfg.get("moe_intermediate_size")
@@ -257,6 +257,7 @@ class DeepseekMoE(nn.Module):
             topk_group=cfg.get("topk_group") if grouped else None,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
             num_redundant_experts=cfg.num_redundant_experts,
+            placement=cfg.expert_placements.get(layer_index),
             parallel=cfg.parallel,
             dtype=cfg.dtype,
             backend=KERNEL_BACKEND,
@@ -286,7 +287,7 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
         self.num_layers = cfg.get("num_hidden_layers")
         for i in range(self.num_layers):
             if cfg.get("n_routed_experts") is not None and i >= first_dense and i % freq == 0:
-                mlp: nn.Module = DeepseekMoE(cfg, scoring, correction_bias, grouped)
+                mlp: nn.Module = DeepseekMoE(cfg, scoring, correction_bias, grouped, layer_index=i)
             else:
                 mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"))
             self.layers.append(DecoderLayer(cfg, MLAttention(cfg, rotary), mlp))

@@ -17,12 +17,8 @@ is the caller's business.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class ExpertLoadRecorder:
@@ -108,18 +104,15 @@ class ExpertLoadRecorder:
 def attach_load_recorder(model: nn.Module, window: int | None = None) -> ExpertLoadRecorder | None:
     """Create one recorder for every :class:`FusedMoE` of ``model`` (in module order) and set
     each layer's ``load_recorder`` / ``load_layer_index``; None when the model has no MoE layer."""
-    from flotilla.cluster.models.moe_layer import FusedMoE
+    from flotilla.cluster.models.moe_layer import moe_layers
 
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedMoE)]
+    layers = moe_layers(model)
     if not layers:
         return None
     experts = {m.num_experts for _, m in layers}
     if len(experts) != 1:
         raise ValueError(f"MoE layers disagree on the number of experts ({sorted(experts)})")
-    layer_ids = []
-    for ordinal, (name, _) in enumerate(layers):
-        match = _LAYER_INDEX.search(name)
-        layer_ids.append(int(match.group(1)) if match else ordinal)
+    layer_ids = [layer for layer, _ in layers]
     device = layers[0][1].w13.device
     recorder = ExpertLoadRecorder(len(layers), experts.pop(), window, device, layer_ids)
     for index, (_, module) in enumerate(layers):

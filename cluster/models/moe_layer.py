@@ -303,3 +303,52 @@ class FusedMoE(nn.Module):
         if self.load_recorder is not None:
             self.load_recorder.record(self.load_layer_index, ids)
         return self.dispatcher(self, hidden, weights, ids)
+
+
+# --------------------------------------------------------------------- a model's MoE layers
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, FusedMoE]]:
+    """Every :class:`FusedMoE` of ``model`` in module order, with its decoder layer index (read
+    from the module name ``...layers.<i>....``; the ordinal among MoE layers when absent)."""
+    found = []
+    for ordinal, (name, module) in enumerate((n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE)):
+        match = _LAYER_INDEX.search(name)
+        found.append((int(match.group(1)) if match else ordinal, module))
+    return found
+
+
+def expert_placements(model: nn.Module) -> dict[int, ExpertPlacement]:
+    """The placement each MoE layer of ``model`` runs, keyed by decoder layer index."""
+    return {layer: module.placement for layer, module in moe_layers(model)}
+
+
+def rewire_moe_layers(model: nn.Module, parallel: ParallelLayout, placements: dict[int, ExpertPlacement]) -> None:
+    """Point every MoE layer of a LOADED model at a new layout (its communicators and EP size)
+    and adopt ``placements`` (one per layer, keyed by decoder layer index): how a running rank
+    joins a grown elastic EP group, or goes back to its old one.
+
+    Only placements that keep this rank's slots are accepted (ValueError otherwise, naming the
+    layer): no weights are loaded here, so a rank's rows must hold the same experts before and
+    after (what :func:`~flotilla.cluster.eplb.grow_placement` guarantees for running ranks).
+    The check runs for every layer before any layer changes.
+    """
+    layers = moe_layers(model)
+    missing = sorted({layer for layer, _ in layers} - set(placements))
+    if missing:
+        raise ValueError(f"no expert placement given for MoE layers {missing}")
+    for layer, module in layers:
+        placement = placements[layer]
+        keeps = placement.local_logical_experts(parallel.ep_rank) if parallel.ep_rank < placement.ep_size else None
+        if keeps != module.local_logical_experts:
+            raise ValueError(
+                f"MoE layer {layer}: the new placement moves the experts of EP rank {parallel.ep_rank} "
+                f"({module.local_logical_experts} -> {keeps}); a running rank keeps its slots (use grow_placement)"
+            )
+    for _, module in layers:
+        module.parallel = parallel
+        module.dispatcher = make_dispatcher(parallel)
+    for layer, module in layers:
+        module.set_placement(placements[layer])

@@ -199,7 +199,7 @@ class GQAttention(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (no shared experts): Qwen3-MoE and Mixtral."""
 
-    def __init__(self, cfg: ModelConfig, num_experts: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, cfg: ModelConfig, num_experts: int, intermediate_size: int, renormalize: bool, layer_index: int):
         super().__init__()
         hidden = cfg.get("hidden_size")
         self.gate = MoERouter(hidden, num_experts, dtype=cfg.dtype)
@@ -213,6 +213,7 @@ class SparseMoeBlock(nn.Module):
             dtype=cfg.dtype,
             backend=KERNEL_BACKEND,
             num_redundant_experts=cfg.num_redundant_experts,
+            placement=cfg.expert_placements.get(layer_index),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -322,7 +323,7 @@ class Qwen3MoeForCausalLM(_GQAMoELM):
         for i in range(cfg.get("num_hidden_layers")):
             if i not in dense_only and num_experts > 0 and (i + 1) % step == 0:
                 renormalize = bool(cfg.get("norm_topk_prob", False))
-                mlp = SparseMoeBlock(cfg, num_experts, cfg.get("moe_intermediate_size"), renormalize)
+                mlp = SparseMoeBlock(cfg, num_experts, cfg.get("moe_intermediate_size"), renormalize, layer_index=i)
             else:
                 mlp = GatedMLP(cfg, hidden, cfg.get("intermediate_size"))
             self.layers.append(DecoderLayer(cfg, GQAttention(cfg, rotary, qk_norm=True, sliding_window=window), mlp))
@@ -335,9 +336,10 @@ class MixtralForCausalLM(_GQAMoELM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         rotary = _neox_rotary(cfg)
-        for _ in range(cfg.get("num_hidden_layers")):
+        for i in range(cfg.get("num_hidden_layers")):
             attn = GQAttention(cfg, rotary, qk_norm=False, sliding_window=cfg.get("sliding_window"))
-            mlp = SparseMoeBlock(cfg, cfg.get("num_local_experts"), cfg.get("intermediate_size"), renormalize=True)
+            experts = cfg.get("num_local_experts")
+            mlp = SparseMoeBlock(cfg, experts, cfg.get("intermediate_size"), renormalize=True, layer_index=i)
             self.layers.append(DecoderLayer(cfg, attn, mlp))
 
     def hf_target(self, name: str) -> tuple[str, Any] | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -141,6 +141,7 @@ def load_model(
     parallel: ParallelLayout | None = None,
     load_format: str = "auto",
     num_redundant_experts: int = 0,
+    expert_placements: Mapping[int, Any] | None = None,
 ):
     """Build the model for ``source``'s architecture and load its weights (this rank's
     shard under ``parallel``).
@@ -161,6 +162,7 @@ def load_model(
         parallel=parallel or ParallelLayout(),
         attention_backend=attention_backend,
         num_redundant_experts=num_redundant_experts,
+        expert_placements=dict(expert_placements or {}),
     )
     with torch.device(device):
         model = cls(config)

@@ -263,3 +263,20 @@ def test_build_scheduler_picks_dp_only_with_dp_attention():
     assert split.config.max_num_seqs == 2
     with pytest.raises(ValueError, match="dp_size"):
         DPScheduler(base, 0)
+
+
+def test_grow_adds_empty_dp_ranks_and_routes_new_requests_to_them():
+    """Elastic EP: live requests stay on their DP rank; the new, empty rank takes the next one."""
+    scheduler = DPScheduler(SchedulerConfig(num_blocks=16, block_size=4), 1)
+    first = Request("a", [1, 2, 3], 4)
+    scheduler.add(first)
+    scheduler.grow(2)
+    assert scheduler.dp_size == 2 and len(scheduler.schedulers) == 2
+    assert scheduler.pool.num_blocks == 32
+    assert scheduler.add(Request("b", [4, 5], 4)) == 1
+    assert scheduler.rank_of("a") == 0
+    out = scheduler.schedule()
+    assert len(out.parts) == 2 and not out.idle_ranks
+    scheduler.check_invariants()
+    with pytest.raises(ValueError, match="new_dp_size must be an integer >= dp_size=2"):
+        scheduler.grow(1)
