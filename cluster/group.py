@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -41,6 +42,8 @@ from flotilla.cluster.topology import Topology
 from flotilla.cluster.worker import DEFAULT_COLLECTIVE_TIMEOUT_S, StepBatch, WorkerActor, WorkerInfo
 from flotilla.resolution import ResolvedConfig
 
+# Ray actor names of joining ranks: this prefix, the rank, a tag unique to the join.
+JOINER_NAME_PREFIX = "flotilla-ep-joiner-"
 # CPU share of one rank's bundle on CPU nodes (small, so a 2-core box holds several ranks).
 CPU_BUNDLE_SHARE = 0.5
 # Loopback settings every rank needs (see the Ray-on-one-box notes).
@@ -154,13 +157,17 @@ class WorkerGroup:
         self.kv_layout = infos[0].kv_layout
         self.vocab_size = infos[0].vocab_size
 
-    def _start_actor(self, placement: Any, bundle: int, rank: int, world_size: int, digest: str, port: int) -> Any:
-        """One Worker actor for ``rank`` in bundle ``bundle`` of ``placement``."""
+    def _start_actor(
+        self, placement: Any, bundle: int, rank: int, world_size: int, digest: str, port: int, name: str | None = None
+    ) -> Any:
+        """One Worker actor for ``rank`` in bundle ``bundle`` of ``placement`` (``name``: a Ray
+        actor name, so operators can find it)."""
         on_gpu = (self.config.device or "cpu") == "cuda"
         resources = {"num_gpus": 1, "num_cpus": 0} if on_gpu else {"num_cpus": CPU_BUNDLE_SHARE}
         env = dict(_LOOPBACK_ENV, **{k: os.environ[k] for k in _UCX_ENV if k in os.environ})
         strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle)
-        return WorkerActor.options(scheduling_strategy=strategy, runtime_env={"env_vars": env}, **resources).remote(
+        named = {"name": name} if name else {}
+        return WorkerActor.options(scheduling_strategy=strategy, runtime_env={"env_vars": env}, **resources, **named).remote(
             rank, world_size, digest, port, self.collective_timeout_s
         )
 
@@ -255,8 +262,10 @@ class WorkerGroup:
                     f"no placement for {count} joining ranks ({bundle} each) within --elastic-ep-scale-timeout "
                     f"({timeout_s:g}s): the cluster has no room for them and did not grow"
                 ) from None
+            tag = uuid.uuid4().hex[:8]
             for i in range(count):
-                joiners.actors.append(self._start_actor(placement, i, first + i, topology.world_size, config.digest, 0))
+                name = f"{JOINER_NAME_PREFIX}{first + i}-{tag}"
+                joiners.actors.append(self._start_actor(placement, i, first + i, topology.world_size, config.digest, 0, name))
             config_ref = ray.put(config)
             self._settle_joiners(joiners, [a.accept_config.remote(config_ref) for a in joiners.actors], "accept the config", deadline)
             refs = [a.load_joiner.remote(source, topology, placements) for a in joiners.actors]
@@ -298,7 +307,8 @@ class WorkerGroup:
             self.world_size = joiners.topology.world_size
             self._join_placements.append(joiners.placement)
             return
-        rank, exc = failed[0]
+        # NOTE: a dead rank first: the others' rendezvous timeouts are its consequence.
+        rank, exc = min(failed, key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
         reason = f"rank {rank} failed to join the grown world of {len(everyone)} ranks: {_first_line(exc)}"
         self.discard_joiners(joiners)
         self._roll_back(reason, bound)

@@ -35,6 +35,10 @@ the same thread:
   metrics) and streams like :meth:`AsyncEngine.generate`.
 - Small calls (release, the ``fail_next_reads`` test seam) run as :class:`_Call` s.
 
+Elastic EP (:mod:`flotilla.cluster.elastic`): :meth:`AsyncEngine.grow_elastic_ep` has the
+runner's joiners load on a helper thread while the engine thread keeps stepping, then runs
+the commit as a :class:`_Call`: between two steps, so the pause is the commit alone.
+
 No error path leaks a block or leaves a caller waiting: a prefill whose caller leaves
 is aborted (or its lease released, when it already finished), a failed prefill frees
 its blocks, a decode stream whose consumer leaves is aborted, and a dying engine
@@ -53,6 +57,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from flotilla.cluster.elastic import ElasticJoinError, JoinReport
 from flotilla.cluster.engine.kv_handoff import KVHandoffError, check_policy
 from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
 from flotilla.cluster.engine.outputs import CompletionDelta
@@ -245,6 +250,8 @@ class AsyncEngine:
         self._dead: str | None = None
         self._stopping = False
         self._prefix_keys: OrderedDict[int, None] = OrderedDict()
+        # Requests admitted per DP rank (index: DP rank), for per-rank metrics.
+        self._dp_rank_requests: list[int] = [0] * int(getattr(engine.scheduler, "dp_size", 1))
         # Engine-thread state.
         self._live: dict[str, _Live] = {}
         self._unscheduled: set[str] = set()
@@ -371,6 +378,60 @@ class AsyncEngine:
         )
         async for chunk in self._chunks(engine_id, stream):
             yield chunk
+
+    # -- elastic EP --------------------------------------------------------------------
+
+    @property
+    def ep_size(self) -> int:
+        """The engine group's current EP size (1 for an engine that is not expert-parallel)."""
+        return int(getattr(self.engine.runner, "ep_size", 1))
+
+    def dp_rank_requests(self) -> list[int]:
+        """Requests admitted to each DP rank so far (index: DP rank; one entry without DP attention)."""
+        with self._cond:
+            return list(self._dp_rank_requests)
+
+    async def grow_elastic_ep(self, joiner_config: Any, new_size: int, timeout_s: float) -> JoinReport:
+        """Grow the engine group to ``new_size`` EP ranks while it serves (elastic EP).
+
+        The joining ranks (resolved as ``joiner_config``) get a placement group and load on a
+        helper thread, bounded by ``timeout_s``, while this engine keeps stepping; then the
+        commit runs on the engine thread between two steps (the only pause). Raises
+        ElasticJoinError when the join failed (the engine serves on at its old size, joiners
+        gone) and EngineUnavailableError when the engine is down. A caller that leaves early
+        does not leak joiners: they are dropped once loaded.
+        """
+        prepare = getattr(self.engine.runner, "prepare_join", None)
+        if prepare is None:
+            raise ElasticJoinError(
+                "this engine cannot grow: start it with --elastic-ep-backend ray and --max-ep-size above its size"
+            )
+        with self._cond:
+            self._raise_if_unavailable()
+        runner, old_size, started = self.engine.runner, self.ep_size, time.monotonic()
+        future = asyncio.get_running_loop().run_in_executor(None, prepare, joiner_config, new_size, timeout_s)
+        try:
+            joiners = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda f: f.exception() is None and runner.abort_join(f.result()))
+            raise
+        prepared = time.monotonic()
+        try:
+            pause = await self._call(lambda: self._commit_join(joiners))
+        finally:
+            # NOTE: idempotent; after a commit the joiners belong to the group and this is a no-op
+            # (a failed commit already dropped them).
+            if self.ep_size != new_size:
+                runner.abort_join(joiners)
+        return JoinReport(old_size, new_size, prepared - started, pause, time.monotonic() - started)
+
+    def _commit_join(self, joiners: Any) -> float:
+        """Engine thread, between steps: grow the engine; returns the pause in seconds."""
+        started = time.perf_counter()
+        self.engine.commit_elastic_join(joiners)
+        with self._cond:
+            self._dp_rank_requests += [0] * (self.engine.runner.dp_size - len(self._dp_rank_requests))
+        return time.perf_counter() - started
 
     async def kv_set_fail_next_reads(self, n: int) -> None:
         """Test seam: make the runner's next ``n`` KV reads fail (on every local rank)."""
@@ -589,6 +650,10 @@ class AsyncEngine:
             raise
         n = request.params.n
         children = [command.engine_id] if n == 1 else [f"{command.engine_id}#{i}" for i in range(n)]
+        rank = self.engine.dp_rank_of(children[0])
+        if rank is not None:
+            with self._cond:
+                self._dp_rank_requests[rank] += 1
         self._live[command.engine_id] = _Live(command, children)
         self._unscheduled.add(command.engine_id)
 

@@ -23,6 +23,7 @@ import ray  # noqa: E402
 
 from flotilla import SamplingParams  # noqa: E402
 from flotilla.cluster.elastic import ElasticJoinError  # noqa: E402
+from flotilla.cluster.eplb import ExpertPlacement  # noqa: E402
 from flotilla.cluster.engine.dp_scheduler import DPScheduler  # noqa: E402
 from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
 from flotilla.cluster.engine.llm_engine import LLMEngine  # noqa: E402
@@ -38,6 +39,8 @@ ELASTIC = dict(
     tp_size=1, dp_size=1, ep_size=1, enable_dp_attention=True, enable_dp_lm_head=True,
     elastic_ep_backend="ray", max_ep_size=2, disable_cuda_graph=True, max_total_tokens=1024,
     disable_radix_cache=True, expert_distribution_recorder_mode="stat",
+    # NOTE: bounds a rendezvous with a dead peer (the commit's worst case) to keep the tests short.
+    dist_timeout=20,
 )
 JOINER = dict(ep_join_mode="scale", node_rank=1, ep_join_rank_offset=1, elastic_ep_initial_size=1, moe_dense_tp_size=1)
 JOIN_TIMEOUT_S = 120.0
@@ -89,7 +92,10 @@ def test_elastic_engine_starts_as_a_growable_one_rank_group(engine):
 def test_a_joiner_killed_before_the_commit_leaves_the_old_size(engine, model, oracle):
     _, joiner_config, _, prompts = model
     joiners = engine.runner.prepare_join(joiner_config, 2, JOIN_TIMEOUT_S)
-    ray.kill(joiners.actors[0], no_restart=True)
+    joiner = joiners.actors[0]
+    ray.kill(joiner, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(joiner.ping.remote(), timeout=30)
     with pytest.raises(ElasticJoinError, match="joining rank 1"):
         engine.commit_elastic_join(joiners)
     assert (engine.runner.ep_size, engine.scheduler.dp_size) == (1, 1)
@@ -97,6 +103,26 @@ def test_a_joiner_killed_before_the_commit_leaves_the_old_size(engine, model, or
     # Still serving, with the same tokens.
     assert _run(engine, prompts[:2], ["after-kill-0", "after-kill-1"]) == {
         "after-kill-0": oracle["oracle-0"], "after-kill-1": oracle["oracle-1"]
+    }
+
+
+def test_a_commit_that_fails_after_the_rendezvous_rolls_back_to_the_old_world(engine, model, oracle):
+    """Every rank joined the grown world, then adopting the placements failed: the running rank
+    goes back to its old world and placements, the joiner is dropped, serving goes on."""
+    _, joiner_config, _, prompts = model
+    before = engine.runner.group.call("expert_placements")[0]
+    joiners = engine.runner.prepare_join(joiner_config, 2, JOIN_TIMEOUT_S)
+    layer, grown = next(iter(joiners.placements.items()))
+    # A grown placement that moves rank 0's slots (its experts in reverse order): every rank
+    # refuses it after the rendezvous.
+    moved = list(reversed(grown.phy2log[: grown.slots_per_rank])) + list(grown.phy2log[grown.slots_per_rank :])
+    joiners.placements = {**joiners.placements, layer: ExpertPlacement.from_phy2log(moved, grown.num_logical, 2)}
+    with pytest.raises(ElasticJoinError, match="moves the experts of EP rank .*the group kept its 1 ranks"):
+        engine.commit_elastic_join(joiners)
+    assert (engine.runner.ep_size, engine.scheduler.dp_size) == (1, 1) and joiners.actors == []
+    assert engine.runner.group.call("expert_placements")[0] == before
+    assert _run(engine, prompts[2:4], ["rolled-back-2", "rolled-back-3"]) == {
+        "rolled-back-2": oracle["oracle-2"], "rolled-back-3": oracle["oracle-3"]
     }
 
 
