@@ -6,6 +6,7 @@
                    [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
                     [--prefill-tp A] [--decode-tp B] [--kv-transport nixl|ray]
                     [--kv-load-failure-policy recompute|fail]]
+                   [--elastic-ep-autoscale [--elastic-ep-autoscale-interval S] ...]
 
 The server flags are ``flotilla resolve``'s (``--tp-size``, ``--max-running-requests``,
 ...); ``--host`` (default 127.0.0.1), ``--port`` (30000), ``--api-key``,
@@ -25,6 +26,12 @@ is resolved once, here, then:
   pool's configuration is resolved once, for its role (``--prefill-tp``/``--decode-tp``
   set its TP size; they may differ). ``--kv-load-failure-policy`` (vLLM's name) says what
   a failed KV load does: ``recompute`` (default) or ``fail``.
+- Elastic EP (``--elastic-ep-backend ray --max-ep-size M`` over the DP-attention layout
+  ``--tp N --dp N --ep N --enable-dp-attention --enable-dp-lm-head``): one engine replica
+  starts at N ranks and grows on ``POST /scale_elastic_ep``; every joining group is
+  resolved here, once. ``--elastic-ep-autoscale`` lets the replica grow itself when its
+  queue, KV usage or TTFT stay above thresholds for a window (the
+  ``--elastic-ep-autoscale-*`` knobs; see :mod:`flotilla.serve.ep_autoscale`).
 - It then blocks until Ctrl-C or SIGTERM and shuts the application down cleanly.
   ``--non-blocking`` (as in ``serve run``) returns once ready instead, leaving the
   application on the cluster (for jobs; needs a running cluster); remove it with
@@ -53,6 +60,8 @@ from typing import Any, Sequence
 from flotilla.resolution import ArgumentError, ResolutionError
 from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
 from flotilla.resolution.fields import FIELDS
+from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
+from flotilla.serve.types import ElasticAutoscaleOptions
 
 # How long to wait for /health to answer 200 after the application reports running.
 READY_TIMEOUT_S = 120.0
@@ -107,6 +116,28 @@ def build_parser() -> argparse.ArgumentParser:
         default="recompute",
         help="when a prompt's KV cannot be loaded: recompute it on the decode side (default) or fail the request",
     )
+    auto = parser.add_argument_group("elastic EP autoscaling (with --elastic-ep-backend ray --max-ep-size)")
+    auto.add_argument(
+        "--elastic-ep-autoscale",
+        action="store_const",
+        const="true",
+        default=None,
+        help="grow the EP group by itself when load stays above the thresholds below for a window (default off)",
+    )
+    knobs = ElasticAutoscaleOptions()  # NOTE: the defaults shown in the help
+    for flag, metavar, default, text in (
+        ("--elastic-ep-autoscale-interval", "S", knobs.interval_s, "seconds between load samples"),
+        ("--elastic-ep-autoscale-waiting-per-rank", "N|off", knobs.waiting_per_rank_threshold,
+         "queued requests per DP rank above which load counts as high"),
+        ("--elastic-ep-autoscale-kv-usage", "F|off", knobs.kv_usage_threshold,
+         "KV cache usage fraction above which load counts as high"),
+        ("--elastic-ep-autoscale-ttft-p90", "S|off", knobs.ttft_p90_threshold_s,
+         "TTFT p90 (seconds) above which load counts as high"),
+        ("--elastic-ep-autoscale-window", "S", knobs.window_s, "seconds load must stay high before a join"),
+        ("--elastic-ep-autoscale-cooldown", "S", knobs.cooldown_s, "seconds after a scale before the next join"),
+        ("--elastic-ep-autoscale-step", "N", knobs.step, "ranks to add per join"),
+    ):  # fmt: skip
+        auto.add_argument(flag, metavar=metavar, default=None, help=f"{text} (default {default:g})")
     add_server_flags(parser, FIELDS.values())
     return parser
 
@@ -143,7 +174,9 @@ def split_pd_mode(argv: Sequence[str]) -> tuple[list[str], bool]:
 
 def parse_serve_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
     """(own options, the server fields given); :class:`ArgumentError` on bad input.
-    ``opts.pd`` says whether ``--disaggregation-mode pd`` was given."""
+    ``opts.pd`` says whether ``--disaggregation-mode pd`` was given;
+    ``opts.elastic_autoscale`` holds the ``--elastic-ep-autoscale*`` flags as
+    :class:`~flotilla.serve.types.ElasticAutoscaleOptions`."""
     parser = build_parser()
     argv, pd = split_pd_mode(argv)
     opts, unknown = parser.parse_known_args(argv)
@@ -162,17 +195,20 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str,
             raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if pd and opts.num_replicas is not None:
         raise ArgumentError("--num-replicas sizes the colocated pool; with --disaggregation-mode pd use --prefill-replicas and --decode-replicas")
+    opts.elastic_autoscale = elastic_autoscale_options({name: getattr(opts, name) for name in AUTOSCALE_ARGS})
     given = {k: v for k, v in vars(opts).items() if k in FIELDS}
     return opts, given
 
 
 def resolve_serving(opts: argparse.Namespace, given: dict[str, Any]) -> tuple[Any, Any, Any]:
     """Resolve once per pool: (config, decode config or None, ServeOptions). In PD mode
-    ``config`` is the prefill pool's."""
-    from flotilla.serve.app import resolve_for_serving, serve_options
+    ``config`` is the prefill pool's. An elastic EP deployment's joining groups are
+    resolved here too (``options.elastic_plan``), for the same platform facts."""
+    from flotilla.serve.app import resolve_colocated, resolve_for_serving, serve_options
 
+    plan = None
     if not opts.pd:
-        config, model = resolve_for_serving(given)
+        config, model, plan = resolve_colocated(given)
         decode_config = None
     else:
         from flotilla.serve.pd import pd_server_fields
@@ -192,6 +228,8 @@ def resolve_serving(opts: argparse.Namespace, given: dict[str, Any]) -> tuple[An
         decode_replicas=opts.decode_replicas,
         kv_transport=opts.kv_transport,
         kv_load_failure_policy=opts.kv_load_failure_policy,
+        elastic_plan=plan,
+        elastic_autoscale=getattr(opts, "elastic_autoscale", None),
     )
     return config, decode_config, options
 
@@ -275,6 +313,10 @@ def _start_local(config, options, decode_config=None) -> bool:
 
     if decode_config is None:
         engines = pool_cpus(config, "colocated", options.num_replicas)
+        plan = options.elastic_plan
+        if plan is not None:
+            # NOTE: room for the joiners' placement group at the largest size.
+            engines += (plan.max_ep_size - plan.initial_size) * CPU_BUNDLE_SHARE
     else:
         engines = pool_cpus(config, "prefill", options.prefill_replicas) + pool_cpus(
             decode_config, "decode", options.decode_replicas
@@ -351,6 +393,10 @@ def ready_message(url: str, options, config, blocking: bool = True) -> str:
         replicas = f"PD: {options.prefill_replicas} prefill + {options.decode_replicas} decode replicas, KV by {options.kv_transport}"
     else:
         replicas = f"{options.num_replicas} engine replica{'s' if options.num_replicas != 1 else ''}"
+        plan = options.elastic_plan
+        if plan is not None:
+            auto = ", autoscaled" if options.elastic_autoscale.enabled else ""
+            replicas += f", elastic EP {plan.initial_size} to {plan.max_ep_size} ranks{auto}"
     lines = [
         f"flotilla serve: {options.served_model_name} is ready at {url}/v1 "
         f"({replicas}, router {options.router}, config {config.digest[:12]})",

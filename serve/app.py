@@ -10,7 +10,12 @@
   :class:`ServeOptions` fields ``router``, ``num_replicas``, ``replica_num_cpus``,
   ``max_body_bytes``; it resolves once, probing the platform on a worker node.
 - :class:`ServeEngineClient` is the ingress's :class:`EngineClient` over the engine
-  deployment's handle.
+  deployment's handle (and its :class:`ElasticEPClient`: the elastic EP admin calls).
+- Elastic EP (``--elastic-ep-backend ray --max-ep-size M``): :func:`resolve_colocated`
+  resolves the primary and, with the same platform facts, every joining group
+  (:func:`~flotilla.serve.elastic_ep.resolve_elastic_plan`); the plan travels in
+  ``ServeOptions.elastic_plan``. The group grows inside its one engine replica, so an
+  elastic deployment has exactly one.
 
 NOTE: the config reaches every replica as one pickled object: Serve pickles a deployment's
 bind arguments once, keeps them in the controller and unpickles the same bytes in each
@@ -34,9 +39,11 @@ from ray.serve.config import RequestRouterConfig
 
 from flotilla.resolution import ArgumentError, ResolvedConfig, ServerArgs
 from flotilla.resolution.fields import FIELDS
+from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.handles import call, stream_chunks
 from flotilla.serve.router import router_class_path
 from flotilla.serve.types import (
+    ElasticAutoscaleOptions,
     GenerateChunk,
     GenerateRequest,
     ServeOptions,
@@ -112,6 +119,41 @@ class ServeEngineClient:
 
         return await collect_metrics_text(self._metrics_timeout_s)
 
+    async def scale_elastic_ep(self, new_ep_size: Any) -> dict[str, Any]:
+        """Grow the elastic EP group (the replica's
+        :meth:`~flotilla.serve.engine_replica.EngineReplica.scale_elastic_ep`); raises the
+        replica's :class:`~flotilla.serve.elastic_ep.ElasticScaleError` or the contract's
+        errors. Unbounded here: the replica bounds a join by ``--elastic-ep-scale-timeout``."""
+        return await self._admin(self._handle.scale_elastic_ep, new_ep_size)
+
+    async def is_scaling_elastic_ep(self) -> bool:
+        """Whether the elastic EP group is scaling (bounded by the health timeout)."""
+        return bool(await self._admin(self._handle.is_scaling_elastic_ep, timeout_s=HEALTH_TIMEOUT_S))
+
+    async def elastic_ep_state(self) -> dict[str, Any]:
+        """The elastic EP group's ``ep_size``, ``max_ep_size``, ``initial``, ``scaling``,
+        ``last_error`` (bounded by the health timeout)."""
+        return dict(await self._admin(self._handle.elastic_ep_state, timeout_s=HEALTH_TIMEOUT_S))
+
+    async def _admin(self, method: Any, *args: Any, timeout_s: float | None = None) -> Any:
+        from flotilla.serve.handles import engine_error
+
+        try:
+            return await asyncio.wait_for(_awaited(call(method, *args)), timeout_s)
+        except asyncio.TimeoutError:
+            from flotilla.serve.types import EngineUnavailableError
+
+            raise EngineUnavailableError(f"the engine replica did not answer within {timeout_s:g} s") from None
+        except Exception as exc:
+            error = engine_error(exc)
+            if error is exc:
+                raise
+            raise error from None
+
+
+async def _awaited(response: Any) -> Any:
+    return await response
+
 
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress()
@@ -153,10 +195,14 @@ def ingress_tokenizer(config: ResolvedConfig, options: ServeOptions) -> Any:
 
 def engine_capacity(config: ResolvedConfig, options: ServeOptions) -> int:
     """Requests one engine replica accepts before its queue bound rejects: its running
-    cap plus ``options.max_queued_requests``."""
+    cap plus ``options.max_queued_requests``. An elastic EP replica's running cap is the
+    one of its largest group (DP ranks that join get the launch's per-rank budget)."""
     from flotilla.cluster.engine.llm_engine import DEFAULT_MAX_RUNNING_REQUESTS
 
     running = int(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+    plan = options.elastic_plan
+    if plan is not None:
+        running = running * plan.max_ep_size // plan.initial_size
     return running + int(options.max_queued_requests)
 
 
@@ -244,8 +290,30 @@ def build_app(config: ResolvedConfig, options: ServeOptions) -> Application:
     router_class_path(options.router)  # NOTE: fail here, not in a replica, on a bad name
     if options.num_replicas < 1:
         raise ValueError(f"num_replicas={options.num_replicas} must be at least 1")
+    check_elastic_options(options)
     engine = _engine_class().options(**engine_deployment_options(config, options)).bind(config, options)
     return OpenAIIngress.options(**ingress_deployment_options(config, options)).bind(engine, config, options)
+
+
+def check_elastic_options(options: ServeOptions) -> None:
+    """Refuse options an elastic EP deployment cannot serve with: more than one engine
+    replica (the group grows inside one replica), PD mode, or the autoscaler without
+    an elastic plan; ValueError naming the flag and value."""
+    autoscale = options.elastic_autoscale.enabled
+    if options.elastic_plan is None:
+        if autoscale:
+            raise ValueError(
+                "--elastic-ep-autoscale needs an elastic EP deployment: --elastic-ep-backend ray with "
+                "--max-ep-size above --tp-size (and --enable-dp-attention --enable-dp-lm-head)"
+            )
+        return
+    if options.num_replicas != 1:
+        raise ValueError(
+            f"--num-replicas {options.num_replicas}: an elastic EP deployment runs one engine replica "
+            "(its group grows inside that replica up to --max-ep-size); drop --num-replicas"
+        )
+    if options.disaggregation_mode != "null":
+        raise ValueError("elastic EP (--max-ep-size) grows a colocated deployment; drop --disaggregation-mode pd")
 
 
 def build_pd_app(prefill_config: ResolvedConfig, decode_config: ResolvedConfig, options: ServeOptions) -> Application:
@@ -255,6 +323,8 @@ def build_pd_app(prefill_config: ResolvedConfig, decode_config: ResolvedConfig, 
     from flotilla.serve.pd import check_pd_options
 
     router_class_path(options.router)
+    if options.elastic_plan is not None:
+        raise ValueError("elastic EP (--max-ep-size) grows a colocated deployment; drop --disaggregation-mode pd")
     check_pd_options(prefill_config, decode_config, options)
     engine = _engine_class()
     prefill = engine.options(**engine_deployment_options(prefill_config, options, "prefill")).bind(
@@ -298,12 +368,16 @@ def serve_options(
     decode_replicas: int | None = None,
     kv_transport: str = "auto",
     kv_load_failure_policy: str = "recompute",
+    elastic_plan: Any = None,
+    elastic_autoscale: ElasticAutoscaleOptions | None = None,
 ) -> ServeOptions:
     """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
     from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
     replica when DP attention keeps the DP ranks inside one engine). PD mode
     (``disaggregation_mode="pd"``): one prefill and one decode replica by default;
-    ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback."""
+    ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback.
+    Elastic EP: ``elastic_plan`` from :func:`resolve_colocated`, ``elastic_autoscale``
+    (default off); refused as :func:`check_elastic_options` says."""
     from flotilla.serve.kv_endpoint import default_kv_transport
 
     defaults = ServeOptions()
@@ -312,7 +386,7 @@ def serve_options(
     router_class_path(router)
     if disaggregation_mode not in ("null", "pd"):
         raise ValueError(f"disaggregation_mode must be 'null' or 'pd' (got {disaggregation_mode!r})")
-    return ServeOptions(
+    options = ServeOptions(
         model=model,
         served_model_name=served_model_name(model, served_model_name_given),
         num_replicas=int(num_replicas),
@@ -326,7 +400,25 @@ def serve_options(
         decode_replicas=int(decode_replicas or defaults.decode_replicas),
         kv_transport=default_kv_transport() if kv_transport == "auto" else kv_transport,
         kv_load_failure_policy=kv_load_failure_policy,
+        elastic_plan=elastic_plan,
+        elastic_autoscale=elastic_autoscale or ElasticAutoscaleOptions(),
     )
+    check_elastic_options(options)
+    return options
+
+
+def resolve_colocated(given: Mapping[str, Any], platform: Any = None) -> tuple[ResolvedConfig, str | None, Any]:
+    """Resolve a colocated deployment once: ``(config, the --model value, its elastic EP
+    plan or None)``. The platform is probed once (see :func:`resolve_for_serving`) and
+    every joining group of an elastic deployment is resolved for the same facts."""
+    from flotilla.serve.elastic_ep import resolve_elastic_plan
+
+    if platform is None:
+        from flotilla.cluster.platform import probe_for_workers
+
+        platform = probe_for_workers()
+    config, model = resolve_for_serving(given, platform)
+    return config, model, resolve_elastic_plan(given, config, platform)
 
 
 def resolve_for_serving(given: Mapping[str, Any], platform: Any = None) -> tuple[ResolvedConfig, str | None]:
@@ -412,7 +504,12 @@ def parse_build_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
         name = str(name).replace("-", "_")
         if value is None:
             continue
-        if name in OPTION_ARGS or name in PD_OPTION_ARGS or (name == "disaggregation_mode" and str(value) == "pd"):
+        if (
+            name in OPTION_ARGS
+            or name in PD_OPTION_ARGS
+            or name in AUTOSCALE_ARGS
+            or (name == "disaggregation_mode" and str(value) == "pd")
+        ):
             option_args[name] = value
             continue
         argv += _flag_argv("model_path" if name == "model" else name, value)
@@ -430,7 +527,10 @@ def build(args: dict[str, Any]) -> Application:
     (``least-loaded``|``prefix-affinity``), ``num_replicas``, ``replica_num_cpus``,
     ``max_body_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
     ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``kv_transport``,
-    ``kv_load_failure_policy``. The configuration is resolved once, here, for the platform of the
+    ``kv_load_failure_policy``; elastic EP (``elastic_ep_backend: ray``, ``max_ep_size``):
+    ``elastic_ep_autoscale: true`` and its knobs (:data:`AUTOSCALE_ARGS`, as the
+    ``flotilla serve`` flags of the same names). The configuration (an elastic
+    deployment's joiners included) is resolved once, here, for the platform of the
     cluster's worker nodes (this connects to Ray first when ``serve run`` has not yet).
     NOTE: host and port are Serve's ``http_options`` (``serve run`` / the config file),
     not these arguments.
@@ -440,12 +540,13 @@ def build(args: dict[str, Any]) -> Application:
     stray = [name for name in PD_OPTION_ARGS if name in option_args and not pd]
     if stray:
         raise ArgumentError(f"{', '.join(stray)} need disaggregation_mode: pd")
+    autoscale = elastic_autoscale_options(option_args)
     ensure_ray()
 
     def opt(name: str, kind):
         return kind(option_args[name]) if name in option_args else None
 
-    decode_config = None
+    decode_config, plan = None, None
     if pd:
         from flotilla.serve.pd import check_pd_options, pd_server_fields
 
@@ -453,7 +554,7 @@ def build(args: dict[str, Any]) -> Application:
         config, model = resolve_for_serving(prefill_fields)
         decode_config, _ = resolve_for_serving(decode_fields)
     else:
-        config, model = resolve_for_serving(given)
+        config, model, plan = resolve_colocated(given)
     options = serve_options(
         decode_config or config,
         model=model,
@@ -467,6 +568,8 @@ def build(args: dict[str, Any]) -> Application:
         decode_replicas=opt("decode_replicas", int),
         kv_transport=str(option_args.get("kv_transport", "auto")),
         kv_load_failure_policy=str(option_args.get("kv_load_failure_policy", "recompute")),
+        elastic_plan=plan,
+        elastic_autoscale=autoscale,
     )
     logger.info("serving %s (config %s)", options.served_model_name, config.digest[:16])
     if decode_config is not None:

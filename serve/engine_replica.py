@@ -21,6 +21,13 @@ Under prefill/decode disaggregation (:mod:`flotilla.serve.pd`) a replica has a r
 :meth:`EngineReplica.generate_prefilled`. Both attach a KV endpoint to every rank of their
 runner (:class:`~flotilla.serve.kv_endpoint.KVEndpointFactory`, named uniquely per
 replica incarnation: a restarted replica is a new KV peer).
+
+An elastic EP deployment (``options.elastic_plan`` set; one replica holds the whole group)
+grows through :meth:`EngineReplica.scale_elastic_ep` (an
+:class:`~flotilla.serve.elastic_ep.ElasticEPScaler`), reports
+:meth:`EngineReplica.is_scaling_elastic_ep` and :meth:`EngineReplica.elastic_ep_state`,
+exports the elastic EP metrics and, with ``options.elastic_autoscale.enabled``, runs the
+autoscaler's driver (:mod:`flotilla.serve.ep_autoscale_driver`) on its event loop.
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ from flotilla.cluster.models.sources import ModelSource, resolve_model_source
 from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 from flotilla.resolution import ResolvedConfig
 from flotilla.serve.async_engine import AsyncEngine
+from flotilla.serve.elastic_ep import (
+    ElasticEPDisabledError,
+    ElasticEPPlan,
+    ElasticEPScaler,
+    configure_elastic_log,
+    not_elastic_message,
+)
 from flotilla.serve.metrics import POOLS, push_metrics_forever
 from flotilla.serve.types import GenerateChunk, GenerateRequest, PrefillTicket, ReplicaPin, ServeOptions
 
@@ -51,7 +65,7 @@ class EngineReplica:
         config: the resolved configuration (resolved once by the driver).
         options: serving options (``model``, ``max_queued_requests``; in PD roles also
             ``kv_transport``, ``kv_lease_s``, ``kv_load_failure_policy``,
-            ``kv_transfer_timeout_s``).
+            ``kv_transfer_timeout_s``; elastic EP: ``elastic_plan``, ``elastic_autoscale``).
         pool: the replica's role, one of :data:`~flotilla.serve.metrics.POOLS`:
             ``"colocated"`` (default), ``"prefill"`` or ``"decode"``. PD roles run the
             model's one rank in this process with NIXL at ``tp_size`` 1, else on a worker
@@ -73,6 +87,11 @@ class EngineReplica:
     ):
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS} (got pool={pool!r})")
+        if options.elastic_plan is not None and pool != "colocated":
+            raise ValueError(
+                f"pool={pool!r} with an elastic EP plan: elastic EP grows a colocated deployment; "
+                "drop --disaggregation-mode pd or --max-ep-size"
+            )
         serve_id = _serve_replica_id()
         self.replica_id = replica_id or serve_id or f"local-{os.getpid()}"
         self.config, self.options, self.pool = config, options, pool
@@ -96,6 +115,12 @@ class EngineReplica:
                     runner.shutdown()
             raise
         self._push_task: asyncio.Task | None = None
+        self.elastic: ElasticEPScaler | None = None
+        self._autoscale: Any = None
+        if options.elastic_plan is not None:
+            if serve_id is not None:
+                configure_elastic_log()
+            self._start_elastic_ep(options.elastic_plan)
         if push_metrics if push_metrics is not None else serve_id is not None:
             self._start_pushing_metrics()
         logger.info("engine replica %s (pool %s) serves %s", self.replica_id, pool, self.source.path)
@@ -123,6 +148,45 @@ class EngineReplica:
             raise
         self.kv_peer_id = factory.name
         return runner
+
+    def _start_elastic_ep(self, plan: ElasticEPPlan) -> None:
+        """The scaler, its metrics and (when enabled) the autoscaler's driver."""
+        engine = self.engine
+        metrics = engine.metrics.enable_elastic_ep(lambda: engine.ep_size, engine.dp_rank_requests)
+        self.elastic = ElasticEPScaler(engine, plan, metrics)
+        autoscale = self.options.elastic_autoscale
+        if not autoscale.enabled:
+            return
+        from flotilla.serve.ep_autoscale_driver import ElasticEPAutoscaleDriver
+
+        driver = ElasticEPAutoscaleDriver(engine, self.elastic, autoscale.policy(plan.max_ep_size), autoscale.interval_s)
+        try:
+            # NOTE: Serve runs the constructor on the replica's event loop.
+            asyncio.get_running_loop()
+        except RuntimeError:
+            logger.warning("engine replica %s: no running event loop; the elastic EP autoscaler is off", self.replica_id)
+            return
+        self._autoscale = driver
+        driver.start()
+
+    def _require_elastic(self, method: str) -> ElasticEPScaler:
+        if self.elastic is None:
+            raise ElasticEPDisabledError(not_elastic_message(f"engine replica {self.replica_id}: {method}()"))
+        return self.elastic
+
+    async def scale_elastic_ep(self, new_ep_size: Any) -> dict[str, Any]:
+        """Grow the group to ``new_ep_size`` ranks (see :meth:`ElasticEPScaler.scale_to` for
+        the answer and the errors); :class:`ElasticEPDisabledError` when not elastic."""
+        return await self._require_elastic("scale_elastic_ep").scale_to(new_ep_size)
+
+    async def is_scaling_elastic_ep(self) -> bool:
+        """Whether a scale is running; :class:`ElasticEPDisabledError` when not elastic."""
+        return self._require_elastic("is_scaling_elastic_ep").is_scaling
+
+    async def elastic_ep_state(self) -> dict[str, Any]:
+        """``ep_size``, ``max_ep_size``, ``initial``, ``scaling``, ``last_error``;
+        :class:`ElasticEPDisabledError` when not elastic."""
+        return self._require_elastic("elastic_ep_state").state()
 
     def _start_pushing_metrics(self) -> None:
         try:
@@ -218,7 +282,11 @@ class EngineReplica:
         return await self.engine.metrics_text()
 
     def shutdown(self) -> None:
-        """Stop pushing metrics, stop the engine and release its workers; idempotent."""
+        """Stop the autoscaler and the metrics pushes, stop the engine and release its
+        workers; idempotent."""
+        if self._autoscale is not None:
+            self._autoscale.stop()
+            self._autoscale = None
         if self._push_task is not None:
             self._push_task.cancel()
             self._push_task = None

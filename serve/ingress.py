@@ -4,6 +4,14 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /health`` (503 when the engine is dead; no API key needed), ``GET /metrics``
 (the ingress's HTTP metrics merged with the engine side's exposition).
 
+Elastic EP admin (vLLM's and SGLang's shapes; 404 unless the deployment is elastic,
+``options.elastic_plan``): ``POST /scale_elastic_ep`` with ``{"new_ep_size": N}`` (vLLM's
+``new_data_parallel_size`` is an alias) grows the group and answers when it serves at
+the new size (400 bad size, 409 a scale is running, 500 the join failed: the group keeps
+its old size); ``GET`` or ``POST /is_scaling_elastic_ep`` answers
+``{"is_scaling_elastic_ep": <bool>}``; ``GET /v1/models`` adds ``ep_size`` and
+``max_ep_size`` to the model card.
+
 Where the work happens:
 
 - The ingress parses and validates the request (:mod:`flotilla.serve.protocol`), applies
@@ -49,6 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from flotilla.serve.elastic_ep import NEW_EP_SIZE, NEW_EP_SIZE_ALIAS, ElasticScaleError, not_elastic_message
 from flotilla.serve.metrics import merge_expositions
 from flotilla.serve.prompts import load_chat_template, normalize_prompts, prefix_block_size, prefix_key, render_chat
 from flotilla.serve.protocol import (
@@ -70,13 +79,17 @@ from flotilla.serve.responses import (
     respond,
     unavailable,
 )
-from flotilla.serve.types import EngineClient, GenerateRequest, ServeOptions
+from flotilla.serve.types import EngineClient, EngineUnavailableError, GenerateRequest, ServeOptions
 
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("flotilla.serve.access")
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-_QUIET_ROUTES = ("/health", "/metrics")  # logged at DEBUG: probes and scrapes are frequent
+_ROUTES = (
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+    "/scale_elastic_ep", "/is_scaling_elastic_ep",
+)  # fmt: skip
+# Logged at DEBUG: probes, scrapes and scale polls are frequent.
+_QUIET_ROUTES = ("/health", "/metrics", "/is_scaling_elastic_ep")
 
 
 def create_app(
@@ -105,7 +118,15 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse(ingress.model_list().model_dump())
+        return JSONResponse(await ingress.models())
+
+    @app.post("/scale_elastic_ep")
+    async def scale_elastic_ep(request: Request) -> Response:
+        return await ingress.handle(request, ingress.scale_elastic_ep)
+
+    @app.api_route("/is_scaling_elastic_ep", methods=["GET", "POST"])
+    async def is_scaling_elastic_ep(request: Request) -> Response:
+        return await ingress.handle(request, ingress.is_scaling_elastic_ep)
 
     @app.get("/health")
     async def health() -> Response:
@@ -169,6 +190,24 @@ async def read_json(request: Request, limit: int) -> Any:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
+def admin_error(exc: BaseException) -> APIError:
+    """The envelope of a failed elastic EP admin call: an
+    :class:`~flotilla.serve.elastic_ep.ElasticScaleError` keeps its status (400, 404, 409,
+    500, 503), a dead or unreachable engine is a 503."""
+    cause = getattr(exc, "cause", None)  # NOTE: Ray's RayTaskError wraps the replica's exception
+    if isinstance(cause, BaseException):
+        exc = cause
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ElasticScaleError):
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return APIError(exc.status, str(exc), exc.param, type=kind, code=exc.code)
+    if isinstance(exc, EngineUnavailableError):
+        return unavailable(f"the engine is unavailable: {exc}")
+    logger.error("elastic EP admin call failed: %s: %s", type(exc).__name__, exc)
+    return unavailable(f"the elastic EP admin call failed: {type(exc).__name__}: {exc}")
+
+
 class _Ingress:
     """The app's state and request handlers (what :func:`create_app` closes over)."""
 
@@ -200,6 +239,60 @@ class _Ingress:
         max_len = getattr(self.config, "context_length", None)
         card = ModelCard(id=self.served_model, root=str(root) if root else None, max_model_len=max_len)
         return ModelList(data=[card])
+
+    async def models(self) -> dict[str, Any]:
+        """``GET /v1/models``: the model list; an elastic deployment's card also has
+        ``ep_size`` (read from the replica; null when it does not answer) and ``max_ep_size``."""
+        body = self.model_list().model_dump()
+        plan = self.options.elastic_plan
+        if plan is not None:
+            ep_size = None
+            try:
+                ep_size = (await self.engine.elastic_ep_state())["ep_size"]
+            except Exception as exc:  # noqa: BLE001 - the list itself is still worth serving
+                logger.warning("elastic EP state unavailable for /v1/models: %s", exc)
+            body["data"][0].update(ep_size=ep_size, max_ep_size=plan.max_ep_size)
+        return body
+
+    # -- elastic EP admin ------------------------------------------------------------------------
+
+    def _elastic_client(self, route: str) -> Any:
+        if self.options.elastic_plan is None or not hasattr(self.engine, "scale_elastic_ep"):
+            raise APIError(404, not_elastic_message(route), code="not_found")
+        return self.engine
+
+    async def scale_elastic_ep(self, request: Request) -> Response:
+        """``POST /scale_elastic_ep``: ``{"new_ep_size": N}`` (or ``new_data_parallel_size``)."""
+        client = self._elastic_client("POST /scale_elastic_ep")
+        body = await read_json(request, self.options.max_body_bytes)
+        if not isinstance(body, dict):
+            raise bad_request(f"the request body must be a JSON object like {{\"{NEW_EP_SIZE}\": 2}}", NEW_EP_SIZE)
+        given = {k: body[k] for k in (NEW_EP_SIZE, NEW_EP_SIZE_ALIAS) if k in body}
+        if not given:
+            raise bad_request(
+                f"the request body needs {NEW_EP_SIZE} (an integer; vLLM's {NEW_EP_SIZE_ALIAS} is accepted too)",
+                NEW_EP_SIZE,
+            )
+        if len(given) == 2 and given[NEW_EP_SIZE] != given[NEW_EP_SIZE_ALIAS]:
+            raise bad_request(
+                f"{NEW_EP_SIZE}={given[NEW_EP_SIZE]!r} and {NEW_EP_SIZE_ALIAS}={given[NEW_EP_SIZE_ALIAS]!r} "
+                "disagree; send one of them",
+                NEW_EP_SIZE,
+            )
+        try:
+            result = await client.scale_elastic_ep(next(iter(given.values())))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an envelope
+            raise admin_error(exc) from None
+        return JSONResponse(result)
+
+    async def is_scaling_elastic_ep(self, request: Request) -> Response:
+        """``GET``/``POST /is_scaling_elastic_ep``: ``{"is_scaling_elastic_ep": <bool>}``."""
+        client = self._elastic_client(f"{request.method} /is_scaling_elastic_ep")
+        try:
+            scaling = bool(await client.is_scaling_elastic_ep())
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an envelope
+            raise admin_error(exc) from None
+        return JSONResponse({"is_scaling_elastic_ep": scaling})
 
     async def health(self) -> Response:
         try:

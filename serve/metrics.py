@@ -20,6 +20,13 @@ and every series carries a ``replica`` label and a ``pool`` label (the replica's
   ``kv_transfer_failures_total`` and the histogram ``kv_transfer_seconds`` (one
   observation per successful read of a prompt's blocks).
 
+An elastic EP deployment's replica adds (:class:`ElasticEPMetrics`, same labels): the gauge
+``ep_size`` (ranks serving now), the counter ``ep_scale_total{outcome="success|failure"}``
+(scales that ran; refused requests are not counted), the histograms ``ep_scale_seconds``
+(a successful scale, from its request to serving at the new size) and
+``ep_commit_pause_seconds`` (how long its commit paused the engine: no tokens produced),
+and the counter ``dp_rank_requests_total{dp_rank}`` (requests admitted per DP rank).
+
 Replicas are separate actors, so the ingress cannot read their registries. Each replica
 pushes its exposition text to :class:`MetricsHub`, one small named Ray actor per
 namespace, about once a second; ``GET /metrics`` calls :func:`collect_metrics_text`, which
@@ -32,10 +39,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
-from typing import Any, Iterable
+from collections import deque
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger(__name__)
@@ -56,6 +66,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_EP_SCALE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
+_EP_COMMIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# TTFTs kept for the elastic EP autoscaler (EngineMetrics.ttfts_since); the oldest go first.
+RECENT_TTFTS = 4096
 
 # The ``pool`` label's values: a replica's role in the application.
 POOLS = ("colocated", "prefill", "decode")
@@ -90,11 +104,11 @@ class EngineMetrics:
         def counter(name: str, doc: str):
             return Counter(PREFIX + name, doc, names, registry=reg).labels(**labels)
 
-        self.time_to_first_token = histogram(
+        self.time_to_first_token = _Recent(histogram(
             "time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.",
             _TTFT_BUCKETS,
-        )
+        ))
         self.inter_token_latency = histogram(
             "inter_token_latency_seconds", "Seconds between consecutive tokens of one completion.", _ITL_BUCKETS
         )
@@ -153,9 +167,129 @@ class EngineMetrics:
         if used_blocks is not None:
             self.kv_cache_used_blocks.set(used_blocks)
 
+    def ttfts_since(self, cursor: int = 0) -> tuple[list[float], int]:
+        """``(the TTFTs in seconds observed since cursor, the cursor for next time)``:
+        the requests whose first token came after the call that returned ``cursor`` (0:
+        from the start), oldest first; only the last :data:`RECENT_TTFTS` are kept."""
+        return self.time_to_first_token.since(cursor)
+
+    def enable_elastic_ep(
+        self, ep_size: Callable[[], int], dp_rank_requests: Callable[[], list[int]]
+    ) -> "ElasticEPMetrics":
+        """Add the elastic EP series to this registry (see :class:`ElasticEPMetrics`)."""
+        return ElasticEPMetrics(self.registry, self._labels, ep_size, dp_rank_requests)
+
     def exposition(self) -> str:
         """This replica's metrics in the Prometheus text format."""
         return generate_latest(self.registry).decode()
+
+
+class _Recent:
+    """A labelled histogram that also remembers its latest observations, numbered in
+    order (thread-safe: the engine thread observes, the event loop reads)."""
+
+    def __init__(self, histogram: Any, keep: int = RECENT_TTFTS):
+        self._histogram = histogram
+        self._recent: deque[float] = deque(maxlen=keep)
+        self._count = 0  # observations so far; the newest kept one is number _count - 1
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        self._histogram.observe(value)
+        with self._lock:
+            self._recent.append(float(value))
+            self._count += 1
+
+    def since(self, cursor: int) -> tuple[list[float], int]:
+        with self._lock:
+            new = max(0, min(self._count - cursor, len(self._recent)))
+            return list(self._recent)[len(self._recent) - new:], self._count
+
+
+class ElasticEPMetrics:
+    """An elastic EP replica's series, in its :class:`EngineMetrics` registry.
+
+    ``ep_size`` and ``dp_rank_requests_total`` are read at exposition time from the
+    callables; :meth:`record_scale` counts a scale that ran.
+
+    Args:
+        registry: the replica's registry.
+        labels: the ``replica`` and ``pool`` labels.
+        ep_size: the EP size serving now.
+        dp_rank_requests: requests admitted so far per DP rank (index = DP rank).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        labels: dict[str, str],
+        ep_size: Callable[[], int],
+        dp_rank_requests: Callable[[], list[int]],
+    ):
+        names = list(labels)
+        self._labels = dict(labels)
+        self._ep_size = ep_size
+        self._last_ep_size = 0
+        gauge = Gauge(PREFIX + "ep_size", "Expert-parallel ranks serving now (elastic EP).", names, registry=registry)
+        gauge.labels(**labels).set_function(self._read_ep_size)
+        self._scales = Counter(
+            PREFIX + "ep_scale",
+            "Elastic EP scales that ran, by outcome (success, failure).",
+            names + ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("success", "failure"):
+            self._scales.labels(**labels, outcome=outcome)  # NOTE: both series from the start, at 0
+        self.scale_seconds = Histogram(
+            PREFIX + "ep_scale_seconds",
+            "Seconds from a successful elastic EP scale request to serving at the new size.",
+            names, buckets=_EP_SCALE_BUCKETS, registry=registry,
+        ).labels(**labels)  # fmt: skip
+        self.commit_pause_seconds = Histogram(
+            PREFIX + "ep_commit_pause_seconds",
+            "Seconds an elastic EP commit paused the engine (no tokens produced).",
+            names, buckets=_EP_COMMIT_BUCKETS, registry=registry,
+        ).labels(**labels)  # fmt: skip
+        registry.register(_DPRankRequests(self._labels, dp_rank_requests))
+
+    def _read_ep_size(self) -> float:
+        try:
+            self._last_ep_size = int(self._ep_size())
+        except Exception as exc:  # noqa: BLE001 - a dead engine still has metrics to show
+            logger.debug("ep_size unavailable: %s", exc)
+        return float(self._last_ep_size)
+
+    def record_scale(self, ok: bool, scale_s: float | None = None, commit_pause_s: float | None = None) -> None:
+        """Count a scale that ran; a successful one with its timings."""
+        self._scales.labels(**self._labels, outcome="success" if ok else "failure").inc()
+        if scale_s is not None:
+            self.scale_seconds.observe(scale_s)
+        if commit_pause_s is not None:
+            self.commit_pause_seconds.observe(commit_pause_s)
+
+
+class _DPRankRequests:
+    """The ``dp_rank_requests_total{dp_rank}`` counter, read from the engine's counts."""
+
+    NAME = PREFIX + "dp_rank_requests"
+    DOC = "Requests admitted per DP rank (elastic EP: new ranks receive requests once committed)."
+
+    def __init__(self, labels: dict[str, str], counts: Callable[[], list[int]]):
+        self._labels, self._counts = labels, counts
+
+    def describe(self):
+        return [CounterMetricFamily(self.NAME, self.DOC, labels=[*self._labels, "dp_rank"])]
+
+    def collect(self):
+        family = CounterMetricFamily(self.NAME, self.DOC, labels=[*self._labels, "dp_rank"])
+        try:
+            counts = list(self._counts())
+        except Exception as exc:  # noqa: BLE001 - a dead engine still has metrics to show
+            logger.debug("dp_rank_requests unavailable: %s", exc)
+            counts = []
+        for rank, count in enumerate(counts):
+            family.add_metric([*self._labels.values(), str(rank)], float(count))
+        return [family]
 
 
 class _Families:

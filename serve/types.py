@@ -8,11 +8,15 @@ and the ingress turns those into OpenAI responses or SSE frames.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from flotilla.cluster.engine.outputs import StepLogprobs
 from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.serve.ep_autoscale import AutoscalePolicyConfig
+
+if TYPE_CHECKING:
+    from flotilla.serve.elastic_ep import ElasticEPPlan
 
 
 @dataclass
@@ -199,6 +203,75 @@ class EngineClient(Protocol):
         ...
 
 
+class ElasticEPClient(Protocol):
+    """The admin side of an elastic EP deployment, as the ingress reaches it (the engine
+    replica's methods through a Serve handle). Errors: the replica's
+    :class:`~flotilla.serve.elastic_ep.ElasticScaleError` s (their ``status`` is the HTTP
+    answer), :class:`EngineUnavailableError`."""
+
+    async def scale_elastic_ep(self, new_ep_size: Any) -> dict[str, Any]:
+        """Grow the group to ``new_ep_size`` ranks; the scale's message, sizes and timings."""
+        ...
+
+    async def is_scaling_elastic_ep(self) -> bool:
+        """Whether a scale is running."""
+        ...
+
+    async def elastic_ep_state(self) -> dict[str, Any]:
+        """``ep_size``, ``max_ep_size``, ``initial``, ``scaling``, ``last_error``."""
+        ...
+
+
+def _policy_default(name: str) -> Any:
+    return next(f.default for f in fields(AutoscalePolicyConfig) if f.name == name)
+
+
+@dataclass(frozen=True)
+class ElasticAutoscaleOptions:
+    """The elastic EP autoscaler of an engine replica (:mod:`flotilla.serve.ep_autoscale_driver`).
+
+    Attributes:
+        enabled: run it (``--elastic-ep-autoscale``); off by default.
+        interval_s: seconds between load samples.
+        waiting_per_rank_threshold, kv_usage_threshold, ttft_p90_threshold_s: the policy's
+            thresholds (None turns a signal off); see
+            :class:`~flotilla.serve.ep_autoscale.AutoscalePolicyConfig`, whose defaults these are.
+        window_s: how long every sample must stay above before a join is requested.
+        cooldown_s: no join within this long of the last scale request or outcome.
+        step: ranks to add per join.
+    """
+
+    enabled: bool = False
+    interval_s: float = 5.0
+    waiting_per_rank_threshold: float | None = _policy_default("waiting_per_rank_threshold")
+    kv_usage_threshold: float | None = _policy_default("kv_usage_threshold")
+    ttft_p90_threshold_s: float | None = _policy_default("ttft_p90_threshold_s")
+    window_s: float = _policy_default("window_s")
+    cooldown_s: float = _policy_default("cooldown_s")
+    step: int = _policy_default("step")
+
+    def __post_init__(self) -> None:
+        interval = self.interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise ValueError(f"ElasticAutoscaleOptions.interval_s must be a number of seconds > 0 (got interval_s={interval!r})")
+        self.policy(1)  # NOTE: the policy's own checks, naming the field and value
+
+    def policy(self, max_ep_size: int) -> AutoscalePolicyConfig:
+        """The policy for a deployment of ``max_ep_size``; a sample gap of three intervals
+        (at least the policy's default) still counts as one run."""
+        gap = max(_policy_default("max_sample_gap_s"), 3 * float(self.interval_s))
+        return AutoscalePolicyConfig(
+            max_ep_size=max_ep_size,
+            waiting_per_rank_threshold=self.waiting_per_rank_threshold,
+            kv_usage_threshold=self.kv_usage_threshold,
+            ttft_p90_threshold_s=self.ttft_p90_threshold_s,
+            window_s=self.window_s,
+            cooldown_s=self.cooldown_s,
+            step=self.step,
+            max_sample_gap_s=gap,
+        )
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """Serving options that are not server fields of the resolved config.
@@ -224,6 +297,9 @@ class ServeOptions:
         kv_lease_s: how long a prefill replica holds a prompt's blocks for the decode
             replica to read them before freeing them itself.
         kv_transfer_timeout_s: bound on one KV read on the decode side.
+        elastic_plan: the joiners of an elastic EP deployment, resolved by the driver
+            (:func:`~flotilla.serve.elastic_ep.resolve_elastic_plan`); None: not elastic.
+        elastic_autoscale: the elastic EP autoscaler (needs ``elastic_plan``; off by default).
     """
 
     model: str | None = None
@@ -241,3 +317,5 @@ class ServeOptions:
     kv_load_failure_policy: str = "recompute"
     kv_lease_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0
+    elastic_plan: ElasticEPPlan | None = None
+    elastic_autoscale: ElasticAutoscaleOptions = field(default_factory=ElasticAutoscaleOptions)

@@ -83,3 +83,75 @@ def test_pools_that_disagree_on_the_kv_layout_are_refused():
         check_pd_options(prefill, decode, dataclasses.replace(options, decode_replicas=0))
     with pytest.raises(ValueError, match="--kv-transport"):
         check_pd_options(prefill, decode, dataclasses.replace(options, kv_transport="tcp"))
+
+
+# -- elastic EP -----------------------------------------------------------------------------
+
+ELASTIC_FLAGS = [
+    "--tp", "1", "--dp", "1", "--ep", "1", "--enable-dp-attention", "--enable-dp-lm-head",
+    "--elastic-ep-backend", "ray", "--max-ep-size", "2", "--disable-cuda-graph",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from helpers.tiny_moe import save_tiny_qwen3_moe
+
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe-serve-cmd")
+    save_tiny_qwen3_moe(path)
+    return str(path)
+
+
+def test_the_issue_invocation_resolves_the_primary_and_its_joiner(moe_dir):
+    opts, given = parse_serve_args(["--model", moe_dir, *ELASTIC_FLAGS])
+    assert not opts.elastic_autoscale.enabled
+    config, decode, options = resolve_serving(opts, given)
+    plan = options.elastic_plan
+    assert decode is None and options.num_replicas == 1 and (config.tp_size, config.max_ep_size) == (1, 2)
+    assert (plan.initial_size, plan.max_ep_size, sorted(plan.joiner_configs)) == (1, 2, [(1, 2)])
+    joiner = plan.joiner_config(1, 2)
+    assert (joiner.ep_join_mode, joiner.ep_join_rank_offset, joiner.model_path) == ("scale", 1, config.model_path)
+    from flotilla.deploy.serve_cmd import ready_message
+
+    assert "elastic EP 1 to 2 ranks" in ready_message("http://127.0.0.1:1", options, config)
+
+
+def test_autoscale_flags_parse_and_pass_through(moe_dir):
+    opts, given = parse_serve_args(
+        ["--model", moe_dir, *ELASTIC_FLAGS, "--elastic-ep-autoscale", "--elastic-ep-autoscale-interval", "1",
+         "--elastic-ep-autoscale-ttft-p90", "off", "--elastic-ep-autoscale-window", "20",
+         "--elastic-ep-autoscale-cooldown", "40", "--elastic-ep-autoscale-waiting-per-rank", "2"]
+    )  # fmt: skip
+    auto = opts.elastic_autoscale
+    assert (auto.enabled, auto.interval_s, auto.ttft_p90_threshold_s, auto.window_s, auto.cooldown_s) == (
+        True, 1.0, None, 20.0, 40.0,
+    )  # fmt: skip
+    assert auto.waiting_per_rank_threshold == 2.0 and "elastic_ep_autoscale" not in given
+    _, _, options = resolve_serving(opts, given)
+    assert options.elastic_autoscale == auto
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--elastic-ep-autoscale-window", "30"], ["--elastic-ep-autoscale-window", "need --elastic-ep-autoscale"]),
+        (["--elastic-ep-autoscale", "--elastic-ep-autoscale-kv-usage", "lots"],
+         ["--elastic-ep-autoscale-kv-usage expects a number or off", "'lots'"]),
+        (["--elastic-ep-autoscale", "--elastic-ep-autoscale-cooldown", "-1"], ["--elastic-ep-autoscale-cooldown", "-1"]),
+    ],
+)  # fmt: skip
+def test_bad_autoscale_flags_are_refused(argv, words, capsys):
+    with pytest.raises(ArgumentError) as err:
+        parse_serve_args(argv)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert run_serve(argv) == 2
+    assert words[0] in capsys.readouterr().err
+
+
+def test_what_an_elastic_deployment_cannot_do_exits_2(moe_dir, capsys):
+    assert run_serve(["--model", moe_dir, *ELASTIC_FLAGS, "--num-replicas", "2"]) == 2
+    assert "--num-replicas 2: an elastic EP deployment runs one engine replica" in capsys.readouterr().err
+    assert run_serve(["--model", moe_dir, "--elastic-ep-autoscale"]) == 2
+    assert "--elastic-ep-autoscale needs an elastic EP deployment" in capsys.readouterr().err
+    assert run_serve(["--model", moe_dir, *ELASTIC_FLAGS, "--node-rank", "1"]) == 2
+    assert "--node-rank 1 describes a joining group" in capsys.readouterr().err
