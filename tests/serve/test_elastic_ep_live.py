@@ -10,97 +10,38 @@ EP=1, whether it ran before, across or after the commit. The tests run in order 
 deployment for the module): the state at EP=1, the refusals, then the scale.
 """
 
-import json
 import threading
 import time
-from types import SimpleNamespace
 
-import httpx
 import pytest
 
+from helpers.elastic_live import deploy_elastic, is_scaling, model_card, scale, stream_tokens
 from helpers.live_metrics import metrics, total, wait_for
-from helpers.prompts import random_prompts
-from helpers.tiny_models import save_word_tokenizer, word_token_ids
-from helpers.tiny_moe import save_tiny_qwen3_moe
 
 APP, PREFIX = "flotilla-elastic-ep-test", "/elastic"
-VOCAB = 256
 MAX_TOKENS = 64
 # Streams running at once while the group grows.
 STREAMS = 3
-ELASTIC = dict(
-    tp_size=1, dp_size=1, ep_size=1, enable_dp_attention=True, enable_dp_lm_head=True,
-    elastic_ep_backend="ray", max_ep_size=2, disable_cuda_graph=True,
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def elastic(serve_http, tmp_path_factory):
     from ray import serve
 
-    from flotilla.cluster.platform import probe
-    from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_app, resolve_colocated, serve_options
-
-    path = tmp_path_factory.mktemp("tiny-qwen3-moe-elastic-live")
-    save_tiny_qwen3_moe(path)
-    save_word_tokenizer(path, VOCAB)
-    given = {"model_path": str(path), **ELASTIC, "max_total_tokens": 4096, "disable_radix_cache": True}
-    config, model, plan = resolve_colocated(given, probe())
-    assert plan is not None and sorted(plan.joiner_configs) == [(1, 2)]
-    options = serve_options(config, model=model, elastic_plan=plan)
-    serve.run(build_app(config, options), name=APP, route_prefix=PREFIX)
-    url = f"{serve_http}{PREFIX}"
-    wait_until_healthy(url, 120)
-    prompts = random_prompts((5, 9, 13, 17, 21, 25), VOCAB, seed=11)
-    yield SimpleNamespace(url=url, name=options.served_model_name, prompts=prompts, reference={})
+    deployment = deploy_elastic(serve_http, tmp_path_factory.mktemp("tiny-qwen3-moe-elastic-live"), APP, PREFIX)
+    assert sorted(deployment.plan.joiner_configs) == [(1, 2)]
+    yield deployment
     serve.delete(APP)
 
 
-def _body(deployment, prompt: list[int], stream: bool) -> dict:
-    return {
-        "model": deployment.name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True, "stream": stream,
-    }  # fmt: skip
-
-
 def _stream(deployment, prompt: list[int], on_first=None) -> list[int]:
-    """A streaming greedy completion's token ids; AssertionError on any error."""
-    text, first = "", True
-    with httpx.stream("POST", f"{deployment.url}/v1/completions", json=_body(deployment, prompt, True), timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            assert "error" not in chunk, chunk
-            text += chunk["choices"][0]["text"]
-            if first and on_first is not None:
-                on_first()
-            first = False
-    return word_token_ids(text)
-
-
-def _scale(deployment, body) -> httpx.Response:
-    return httpx.post(f"{deployment.url}/scale_elastic_ep", json=body, timeout=300)
-
-
-def _is_scaling(deployment, method: str = "GET") -> bool:
-    response = httpx.request(method, f"{deployment.url}/is_scaling_elastic_ep", timeout=10)
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert set(body) == {"is_scaling_elastic_ep"} and isinstance(body["is_scaling_elastic_ep"], bool)
-    return body["is_scaling_elastic_ep"]
-
-
-def _card(deployment) -> dict:
-    return httpx.get(f"{deployment.url}/v1/models", timeout=10).json()["data"][0]
+    return stream_tokens(deployment, prompt, MAX_TOKENS, on_first)
 
 
 def test_it_starts_at_one_rank_and_says_so_everywhere(elastic):
-    assert _is_scaling(elastic) is False and _is_scaling(elastic, "POST") is False
+    assert is_scaling(elastic) is False and is_scaling(elastic, "POST") is False
     assert wait_for(lambda: total(metrics(elastic.url), "flotilla:ep_size") == 1)
-    card = _card(elastic)
+    card = model_card(elastic)
     assert (card["ep_size"], card["max_ep_size"]) == (1, 2)
     # The oracle: each prompt's greedy tokens at EP=1.
     for i, prompt in enumerate(elastic.prompts):
@@ -110,11 +51,11 @@ def test_it_starts_at_one_rank_and_says_so_everywhere(elastic):
 
 def test_a_size_beyond_max_or_not_a_number_is_a_400_and_it_keeps_serving(elastic):
     for value, words in ((3, "max_ep_size=2"), ("x", "must be an integer")):
-        response = _scale(elastic, {"new_ep_size": value})
+        response = scale(elastic, {"new_ep_size": value})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "new_ep_size" and words in error["message"], error
-    assert _is_scaling(elastic) is False and _card(elastic)["ep_size"] == 1
+    assert is_scaling(elastic) is False and model_card(elastic)["ep_size"] == 1
     assert _stream(elastic, elastic.prompts[0]) == elastic.reference[0]
 
 
@@ -142,10 +83,10 @@ def test_it_grows_to_two_ranks_under_streams_with_the_same_greedy_tokens(elastic
     assert streaming.wait(60), "no stream started"
 
     answer: dict = {}
-    scaler = threading.Thread(target=lambda: answer.update(response=_scale(elastic, {"new_ep_size": 2})))
+    scaler = threading.Thread(target=lambda: answer.update(response=scale(elastic, {"new_ep_size": 2})))
     scaler.start()
-    assert wait_for(lambda: _is_scaling(elastic), timeout_s=30, interval_s=0.05), "the scale never showed as running"
-    conflict = _scale(elastic, {"new_data_parallel_size": 2})  # vLLM's spelling, same route
+    assert wait_for(lambda: is_scaling(elastic), timeout_s=30, interval_s=0.05), "the scale never showed as running"
+    conflict = scale(elastic, {"new_data_parallel_size": 2})  # vLLM's spelling, same route
     assert conflict.status_code == 409, conflict.text
     scaler.join(300)
     done = time.monotonic()
@@ -169,7 +110,7 @@ def test_it_grows_to_two_ranks_under_streams_with_the_same_greedy_tokens(elastic
     for i, _, _, tokens in results:
         assert tokens == elastic.reference[i], f"prompt {i} changed its greedy tokens"
     assert any(start < done < end for _, start, end, _ in results), "no stream was in flight across the scale"
-    assert _is_scaling(elastic) is False and _card(elastic)["ep_size"] == 2
+    assert is_scaling(elastic) is False and model_card(elastic)["ep_size"] == 2
 
     def grown() -> bool:
         m = metrics(elastic.url)
