@@ -25,7 +25,6 @@ the running ranks back on their old world; only if that fails too is the group b
 from __future__ import annotations
 
 import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,8 +45,10 @@ from flotilla.resolution import ResolvedConfig
 JOINER_NAME_PREFIX = "flotilla-ep-joiner-"
 # CPU share of one rank's bundle on CPU nodes (small, so a 2-core box holds several ranks).
 CPU_BUNDLE_SHARE = 0.5
-# Loopback settings every rank needs (see the Ray-on-one-box notes).
-_LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Network settings of the process building the group, handed to its ranks: which interface
+# gloo and NCCL use (GLOO_SOCKET_IFNAME=lo keeps a one-box deployment on loopback; unset on a
+# multi-node cluster, where a loopback rendezvous sets it per rank), and the Ray-on-one-box flag.
+_NET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
 # UCX settings of the process building the group, handed to its ranks (their KV endpoints
 # use NIXL over UCX; e.g. UCX_NET_DEVICES=lo keeps a one-box deployment on loopback).
 _UCX_ENV = ("UCX_NET_DEVICES", "UCX_TLS")
@@ -90,13 +91,6 @@ class WorkerGroupError(RuntimeError):
         return (WorkerGroupError, (self.rank, self.reason))
 
 
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (rank 0's rendezvous store binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorkerGroup:
     """One worker actor per rank of the config's :class:`~flotilla.cluster.topology.Topology`
     (``tp_size`` ranks, read through its TP, EP, DP-attention and DCP views).
@@ -107,9 +101,13 @@ class WorkerGroup:
         rpc_timeout_s: bound on every wait for the ranks (startup phases and each step).
         collective_timeout_s: bound on every collective inside the ranks; defaults to
             ``rpc_timeout_s`` (keep it below to see a peer's death as the collective's error).
+        bundle_resources: Ray resources each rank's bundle needs besides its CPU share or GPU
+            (custom resources that pin the group to a node group).
 
-    NOTE: the rendezvous address is loopback: all ranks share the driver's host (the
-    CPU tests). A multi-node group must take rank 0's node address instead.
+    The group packs onto ONE node (STRICT_PACK: tensor parallelism wants the node's links);
+    rank 0 hosts the rendezvous at its node's address, so the group need not share the
+    driver's node. Elastic EP joiners get their own placement group (PACK), which may land on
+    other nodes.
     """
 
     def __init__(
@@ -118,6 +116,7 @@ class WorkerGroup:
         source: ModelSource,
         rpc_timeout_s: float = 60.0,
         collective_timeout_s: float | None = None,
+        bundle_resources: dict[str, float] | None = None,
     ):
         self.topology = Topology.from_config(config)
         world_size = self.topology.world_size
@@ -128,7 +127,7 @@ class WorkerGroup:
         self.digest = config.digest
         self._error: WorkerGroupError | None = None
         self.actors: list[Any] = []
-        bundle = _rank_bundle(config)
+        bundle = _rank_bundle(config, bundle_resources)
         self.config = config
         self.collective_timeout_s = collective_timeout_s or min(rpc_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
         # Placement groups of ranks that joined later (elastic EP), released at shutdown.
@@ -141,15 +140,17 @@ class WorkerGroup:
             raise WorkerGroupError(
                 None, f"no placement for {world_size} bundles of {bundle} within {rpc_timeout_s}s (cluster too small?)"
             ) from None
-        port = free_loopback_port()
         for rank in range(world_size):
-            self.actors.append(self._start_actor(self.placement, rank, rank, world_size, self.digest, port))
+            self.actors.append(self._start_actor(self.placement, rank, rank, world_size, self.digest))
         try:
             # NOTE: ONE put; every rank receives the same object (Ray resolves a
             # top-level ObjectRef argument to its value before the method runs).
             config_ref = ray.put(config)
             self._gather([a.accept_config.remote(config_ref) for a in self.actors], "accept the config")
-            infos: list[WorkerInfo] = self._gather([a.load.remote(source) for a in self.actors], "load the model")
+            # NOTE: rank 0 hosts the rendezvous on its own node (the group may not be on the driver's).
+            rendezvous = self._gather([self.actors[0].rendezvous_point.remote()], "name a rendezvous point")[0]
+            refs = [a.load.remote(source, rendezvous) for a in self.actors]
+            infos: list[WorkerInfo] = self._gather(refs, "load the model")
         except WorkerGroupError:
             self.shutdown()
             raise
@@ -158,17 +159,17 @@ class WorkerGroup:
         self.vocab_size = infos[0].vocab_size
 
     def _start_actor(
-        self, placement: Any, bundle: int, rank: int, world_size: int, digest: str, port: int, name: str | None = None
+        self, placement: Any, bundle: int, rank: int, world_size: int, digest: str, name: str | None = None
     ) -> Any:
         """One Worker actor for ``rank`` in bundle ``bundle`` of ``placement`` (``name``: a Ray
         actor name, so operators can find it)."""
         on_gpu = (self.config.device or "cpu") == "cuda"
         resources = {"num_gpus": 1, "num_cpus": 0} if on_gpu else {"num_cpus": CPU_BUNDLE_SHARE}
-        env = dict(_LOOPBACK_ENV, **{k: os.environ[k] for k in _UCX_ENV if k in os.environ})
+        env = {k: os.environ[k] for k in (*_NET_ENV, *_UCX_ENV) if k in os.environ}
         strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle)
         named = {"name": name} if name else {}
         return WorkerActor.options(scheduling_strategy=strategy, runtime_env={"env_vars": env}, **resources, **named).remote(
-            rank, world_size, digest, port, self.collective_timeout_s
+            rank, world_size, digest, 0, self.collective_timeout_s
         )
 
     # -- the step seam --------------------------------------------------------
@@ -232,14 +233,21 @@ class WorkerGroup:
     # -- elastic EP: joining ranks ----------------------------------------------------
 
     def start_joiners(
-        self, config: ResolvedConfig, source: ModelSource, topology: Topology, placements: dict, timeout_s: float
+        self,
+        config: ResolvedConfig,
+        source: ModelSource,
+        topology: Topology,
+        placements: dict,
+        timeout_s: float,
+        resources: dict[str, float] | None = None,
     ) -> Joiners:
         """Start and load the ranks ``[world_size, topology.world_size)`` of a grown group.
 
         ``config`` is the joiners' own resolved config (broadcast to them with one put and
         checked against its digest, as at start); each joiner builds its shard with
-        ``topology`` and ``placements``. Their placement group (one bundle per joiner, PACK:
-        joiners may land on other nodes) is separate from the group's. Nothing of the running
+        ``topology`` and ``placements``. Their placement group (one bundle per joiner, plus
+        ``resources`` in each bundle; PACK: joiners may land on other nodes) is separate from
+        the group's. Nothing of the running
         ranks is touched, so the group keeps serving meanwhile.
 
         Everything is bounded by ``timeout_s``; ElasticJoinError (joiners killed, placement
@@ -251,7 +259,7 @@ class WorkerGroup:
         first, count = self.world_size, topology.world_size - self.world_size
         if count < 1:
             raise ElasticJoinError(f"the grown topology has {topology.world_size} ranks, the group already {first}")
-        bundle = _rank_bundle(self.config)
+        bundle = _rank_bundle(self.config, resources)
         placement = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
         joiners = Joiners(topology, placements, [], placement)
         try:
@@ -265,7 +273,7 @@ class WorkerGroup:
             tag = uuid.uuid4().hex[:8]
             for i in range(count):
                 name = f"{JOINER_NAME_PREFIX}{first + i}-{tag}"
-                joiners.actors.append(self._start_actor(placement, i, first + i, topology.world_size, config.digest, 0, name))
+                joiners.actors.append(self._start_actor(placement, i, first + i, topology.world_size, config.digest, name))
             config_ref = ray.put(config)
             self._settle_joiners(joiners, [a.accept_config.remote(config_ref) for a in joiners.actors], "accept the config", deadline)
             refs = [a.load_joiner.remote(source, topology, placements) for a in joiners.actors]
@@ -295,9 +303,13 @@ class WorkerGroup:
         except ElasticJoinError:
             self.discard_joiners(joiners)
             raise
-        port = free_loopback_port()
         everyone = self.actors + joiners.actors
-        refs = [a.elastic_commit.remote(joiners.topology, port, joiners.placements) for a in everyone]
+        try:
+            rendezvous = self._rendezvous_point()
+        except ElasticJoinError:
+            self.discard_joiners(joiners)
+            raise
+        refs = [a.elastic_commit.remote(joiners.topology, rendezvous, joiners.placements) for a in everyone]
         outcomes = _settle(refs, bound)
         failed = [(rank, out) for rank, out in enumerate(outcomes) if isinstance(out, BaseException)]
         if not failed:
@@ -316,13 +328,24 @@ class WorkerGroup:
 
     def _roll_back(self, reason: str, bound: float) -> None:
         """Put the running ranks back on their old world after a failed commit (or break the group)."""
-        port = free_loopback_port()
-        outcomes = _settle([a.elastic_rollback.remote(port) for a in self.actors], bound)
+        try:
+            rendezvous = self._rendezvous_point()
+        except ElasticJoinError as exc:
+            self._error = WorkerGroupError(0, f"could not return to the old world after a failed join ({reason}): {exc}")
+            raise ElasticJoinError(f"{reason}; and the group broke going back: {self._error}") from None
+        outcomes = _settle([a.elastic_rollback.remote(rendezvous) for a in self.actors], bound)
         failed = [(rank, out) for rank, out in enumerate(outcomes) if isinstance(out, BaseException)]
         if failed:
             rank, exc = failed[0]
             self._error = WorkerGroupError(rank, f"could not return to the old world after a failed join ({reason}): {_first_line(exc)}")
             raise ElasticJoinError(f"{reason}; and the group broke going back: {self._error}")
+
+    def _rendezvous_point(self) -> tuple[str, int]:
+        """Rank 0's rendezvous point for a new world (ElasticJoinError when it does not answer)."""
+        outcome = _settle([self.actors[0].rendezvous_point.remote()], self.rpc_timeout_s)[0]
+        if isinstance(outcome, BaseException):
+            raise ElasticJoinError(f"rank 0 did not name a rendezvous point: {_first_line(outcome)}")
+        return outcome
 
     def discard_joiners(self, joiners: Joiners) -> None:
         """Kill joiners that will not join and release their placement group (idempotent)."""
@@ -402,9 +425,11 @@ class WorkerGroup:
             self._error = WorkerGroupError(None, "the group was shut down")
 
 
-def _rank_bundle(config: ResolvedConfig) -> dict[str, float]:
-    """One rank's placement-group bundle: a GPU on GPU nodes, a CPU share on CPU nodes."""
-    return {"GPU": 1} if (config.device or "cpu") == "cuda" else {"CPU": CPU_BUNDLE_SHARE}
+def _rank_bundle(config: ResolvedConfig, extra: dict[str, float] | None = None) -> dict[str, float]:
+    """One rank's placement-group bundle: a GPU on GPU nodes, a CPU share on CPU nodes, plus
+    ``extra`` (custom resources that pin it to a node group)."""
+    bundle: dict[str, float] = {"GPU": 1} if (config.device or "cpu") == "cuda" else {"CPU": CPU_BUNDLE_SHARE}
+    return {**bundle, **(extra or {})}
 
 
 def _settle(refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:

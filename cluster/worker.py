@@ -24,6 +24,7 @@ running ranks with :meth:`Worker.elastic_rollback`.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -140,8 +141,17 @@ class Worker:
         self.config = config
         return digest
 
-    def load(self, source: ModelSource) -> WorkerInfo:
-        """Join the process groups, build this rank's model shard and KV cache."""
+    def rendezvous_point(self) -> tuple[str, int]:
+        """Where a world whose rank 0 is this rank meets: this node's address (as Ray knows it:
+        loopback on a one-box cluster) and a TCP port free on it right now."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def load(self, source: ModelSource, rendezvous: tuple[str, int] | None = None) -> WorkerInfo:
+        """Join the process groups (rank 0's :meth:`rendezvous_point`; loopback and the
+        constructor's ``master_port`` when None), build this rank's model shard and KV cache."""
         if self.config is None:
             raise RuntimeError(f"rank {self.rank}: load() before accept_config()")
         topology = Topology.from_config(self.config)
@@ -151,7 +161,7 @@ class Worker:
                 f"world_size={self.world_size}"
             )
         self.topology = topology
-        self.layout = self._layout(topology, self._init_distributed(topology, self.master_port))
+        self.layout = self._layout(topology, self._init_distributed(topology, rendezvous or ("127.0.0.1", self.master_port)))
         self.runner = build_runner(self.config, source, self.layout)
         return self._info()
 
@@ -179,28 +189,28 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: expert_placements() before load()")
         return self.runner.expert_placements()
 
-    def elastic_commit(self, topology: Topology, port: int, placements: dict) -> int:
-        """Join the grown group ``topology`` (rendezvous on loopback ``port``) and adopt
+    def elastic_commit(self, topology: Topology, rendezvous: tuple[str, int], placements: dict) -> int:
+        """Join the grown group ``topology`` (at ``rendezvous``, old rank 0's) and adopt
         ``placements``; returns this rank. Every rank of the grown group, old and joining,
         calls it at once (the rendezvous waits for all of them, bounded by the collective
         timeout). A running rank keeps its weights (the placements keep its slots)."""
         if self.runner is None or self.topology is None:
             raise RuntimeError(f"rank {self.rank}: elastic_commit() before load()")
         self._before_commit = (self.topology, self.runner.expert_placements())
-        self._rejoin(topology, port, placements)
+        self._rejoin(topology, rendezvous, placements)
         return self.rank
 
-    def elastic_rollback(self, port: int) -> int:
+    def elastic_rollback(self, rendezvous: tuple[str, int]) -> int:
         """Undo the last :meth:`elastic_commit` (which failed somewhere in the group): rejoin the
-        old group's ranks on loopback ``port`` and restore the old placements; returns this rank."""
+        old group's ranks at ``rendezvous`` and restore the old placements; returns this rank."""
         if self._before_commit is None:
             raise RuntimeError(f"rank {self.rank}: elastic_rollback() without an elastic_commit() to undo")
         topology, placements = self._before_commit
-        self._rejoin(topology, port, placements)
+        self._rejoin(topology, rendezvous, placements)
         self._before_commit = None
         return self.rank
 
-    def _rejoin(self, topology: Topology, port: int, placements: dict) -> None:
+    def _rejoin(self, topology: Topology, rendezvous: tuple[str, int], placements: dict) -> None:
         from flotilla.cluster.distributed import destroy
 
         # NOTE: leave the old world first (a no-op at one rank); from here on this rank's
@@ -208,7 +218,7 @@ class Worker:
         # rollback or a kill follows, never a step).
         destroy()
         self.world_size = topology.world_size
-        layout = self._layout(topology, self._init_distributed(topology, port))
+        layout = self._layout(topology, self._init_distributed(topology, rendezvous))
         self.runner.rewire(layout, placements)
         self.layout, self.topology = layout, topology
         self._is_dp_leader = None
@@ -225,8 +235,9 @@ class Worker:
     def _info(self) -> WorkerInfo:
         return WorkerInfo(self.rank, self.config.digest, self.runner.kv_layout, self.runner.vocab_size)
 
-    def _init_distributed(self, topology: Topology, port: int) -> dict[str, Any]:
-        """This rank's communicators in ``topology`` (rendezvous on loopback ``port``): gloo on
+    def _init_distributed(self, topology: Topology, rendezvous: tuple[str, int]) -> dict[str, Any]:
+        """This rank's communicators in ``topology`` (rank 0 hosts the rendezvous at
+        ``(host, port)``): gloo on
         CPU, NCCL on CUDA (one GPU per rank: Ray sets ``CUDA_VISIBLE_DEVICES`` to the rank's
         GPU, so it is ``cuda:0`` here)."""
         from flotilla.cluster.distributed import init_process_groups
@@ -236,12 +247,14 @@ class Worker:
         if on_cuda and topology.world_size > 1:
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
+        host, port = rendezvous
         return init_process_groups(
             topology,
             self.rank,
             port,
             self.collective_timeout_s,
             backend="nccl" if on_cuda else "gloo",
+            host=host,
             device=device,
         )
 
@@ -339,6 +352,10 @@ class Worker:
         """Close this rank's KV endpoint (idempotent)."""
         if self.runner is not None:
             self.runner.kv_detach()
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        return ray.get_runtime_context().get_node_id()
 
     def ping(self) -> int:
         """This rank (a liveness check before a rendezvous)."""

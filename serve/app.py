@@ -47,6 +47,7 @@ from flotilla.serve.types import (
     GenerateChunk,
     GenerateRequest,
     ServeOptions,
+    placement_group_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 5.0
 DEFAULT_SERVED_MODEL_NAME = "smollm2"
 # build() arguments that are serving options, not server fields.
-OPTION_ARGS = ("router", "num_replicas", "replica_num_cpus", "max_body_bytes")
+OPTION_ARGS = ("router", "num_replicas", "replica_num_cpus", "max_body_bytes", "placement")
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
 PD_OPTION_ARGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "kv_transport", "kv_load_failure_policy")
 
@@ -226,6 +227,11 @@ def engine_deployment_options(
     }[pool]
     on_gpu = (config.device or "cpu") == "cuda"
     actor: dict[str, Any] = {"num_cpus": options.replica_num_cpus}
+    # NOTE: the replica actor goes where its ranks must go (placement), so the in-process rank
+    # of a one-rank engine lands there too.
+    resources = options.resources_for(placement_group_of(pool))
+    if resources:
+        actor["resources"] = resources
     if on_gpu and ranks_in_replica(config, options, pool):
         # NOTE: one rank runs inside the replica; a worker group reserves its own GPUs
         # in a placement group.
@@ -370,6 +376,7 @@ def serve_options(
     kv_load_failure_policy: str = "recompute",
     elastic_plan: Any = None,
     elastic_autoscale: ElasticAutoscaleOptions | None = None,
+    placement: Mapping[str, Mapping[str, float]] | None = None,
 ) -> ServeOptions:
     """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
     from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
@@ -377,7 +384,8 @@ def serve_options(
     (``disaggregation_mode="pd"``): one prefill and one decode replica by default;
     ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback.
     Elastic EP: ``elastic_plan`` from :func:`resolve_colocated`, ``elastic_autoscale``
-    (default off); refused as :func:`check_elastic_options` says."""
+    (default off); refused as :func:`check_elastic_options` says. ``placement``: the Ray
+    resources pinning each group of ranks to nodes (see ``ServeOptions.placement``)."""
     from flotilla.serve.kv_endpoint import default_kv_transport
 
     defaults = ServeOptions()
@@ -402,6 +410,7 @@ def serve_options(
         kv_load_failure_policy=kv_load_failure_policy,
         elastic_plan=elastic_plan,
         elastic_autoscale=elastic_autoscale or ElasticAutoscaleOptions(),
+        placement={group: dict(resources) for group, resources in (placement or {}).items()},
     )
     check_elastic_options(options)
     return options
@@ -517,6 +526,22 @@ def parse_build_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     return {name: parsed.values[name] for name in parsed.explicit}, option_args
 
 
+def _placement_arg(value: Any) -> dict[str, dict[str, float]]:
+    """The ``placement`` argument: a mapping, or its JSON text (``serve run ... placement='{...}'``)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ArgumentError(f"placement must be a mapping (YAML) or JSON text: {exc} (got placement={value!r})") from None
+    if not isinstance(value, Mapping):
+        raise ArgumentError(f"placement must be a mapping of groups to Ray resources (got placement={value!r})")
+    return {str(group): dict(resources) if isinstance(resources, Mapping) else resources for group, resources in value.items()}
+
+
 def build(args: dict[str, Any]) -> Application:
     """The application for ``serve run flotilla.serve.app:build KEY=VALUE ...`` and Serve
     config files (``import_path: flotilla.serve.app:build`` with ``args:``).
@@ -529,7 +554,9 @@ def build(args: dict[str, Any]) -> Application:
     ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``kv_transport``,
     ``kv_load_failure_policy``; elastic EP (``elastic_ep_backend: ray``, ``max_ep_size``):
     ``elastic_ep_autoscale: true`` and its knobs (:data:`AUTOSCALE_ARGS`, as the
-    ``flotilla serve`` flags of the same names). The configuration (an elastic
+    ``flotilla serve`` flags of the same names); ``placement`` (a mapping of ``engine``,
+    ``prefill``, ``decode``, ``joiners`` to the Ray resources their replicas and ranks need,
+    see ``ServeOptions.placement``). The configuration (an elastic
     deployment's joiners included) is resolved once, here, for the platform of the
     cluster's worker nodes (this connects to Ray first when ``serve run`` has not yet).
     NOTE: host and port are Serve's ``http_options`` (``serve run`` / the config file),
@@ -570,6 +597,7 @@ def build(args: dict[str, Any]) -> Application:
         kv_load_failure_policy=str(option_args.get("kv_load_failure_policy", "recompute")),
         elastic_plan=plan,
         elastic_autoscale=autoscale,
+        placement=_placement_arg(option_args.get("placement")),
     )
     logger.info("serving %s (config %s)", options.served_model_name, config.digest[:16])
     if decode_config is not None:

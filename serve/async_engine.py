@@ -276,11 +276,13 @@ class AsyncEngine:
         replica_id: str = "0",
         runner: Any = None,
         pool: str = "colocated",
+        placement: dict[str, dict[str, float]] | None = None,
     ) -> "AsyncEngine":
         """Build the :class:`LLMEngine` (``config``: the ResolvedConfig, ``source``: the
         ModelSource, ``tokenizer``: an HF tokenizer or None, ``runner``: a prebuilt model
-        runner or None) and drive it."""
-        engine = LLMEngine(config, source, tokenizer, runner=runner)
+        runner or None, ``placement``: the Ray resources of its ranks, see
+        ``LLMEngine``) and drive it."""
+        engine = LLMEngine(config, source, tokenizer, runner=runner, placement=placement)
         return cls(engine, max_queued_requests, replica_id=replica_id, pool=pool)
 
     # -- the asyncio side ------------------------------------------------------------

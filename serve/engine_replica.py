@@ -53,7 +53,7 @@ from flotilla.serve.elastic_ep import (
     not_elastic_message,
 )
 from flotilla.serve.metrics import POOLS, push_metrics_forever
-from flotilla.serve.types import GenerateChunk, GenerateRequest, PrefillTicket, ReplicaPin, ServeOptions
+from flotilla.serve.types import GenerateChunk, GenerateRequest, PrefillTicket, ReplicaPin, ServeOptions, placement_group_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +105,10 @@ class EngineReplica:
         self.kv_metadata: list[bytes] = []
         runner = None if pool == "colocated" else self._kv_runner()
         try:
+            placement = {"ranks": options.resources_for(placement_group_of(pool)), "joiners": options.resources_for("joiners")}
             self.engine = AsyncEngine.from_config(
                 config, self.source, tokenizer, options.max_queued_requests,
-                replica_id=self.replica_id, runner=runner, pool=pool,
+                replica_id=self.replica_id, runner=runner, pool=pool, placement=placement,
             )
         except BaseException:
             if runner is not None:
@@ -138,7 +139,7 @@ class EngineReplica:
         else:
             from flotilla.cluster.engine.group_runner import GroupRunner
 
-            runner = GroupRunner(self.config, self.source)
+            runner = GroupRunner(self.config, self.source, rank_resources=self.options.resources_for(self.pool))
         try:
             runner.kv_attach(factory)
             self.kv_metadata = list(runner.kv_metadata())
@@ -266,8 +267,9 @@ class EngineReplica:
 
     async def describe(self) -> dict[str, Any]:
         """What this replica is, for operators and tests: ``replica_id``, ``pool``, ``tp_size``,
-        ``kv_peer_id`` (PD roles) and ``rank_actors`` (the worker actors running its ranks,
-        rank order; empty when its one rank runs in this process)."""
+        ``kv_peer_id`` (PD roles), ``rank_actors`` (the worker actors running its ranks,
+        rank order; empty when its one rank runs in this process) and ``node_id`` (the Ray node
+        of this replica; None outside Ray)."""
         group = getattr(self.engine.engine.runner, "group", None)
         return {
             "replica_id": self.replica_id,
@@ -275,6 +277,7 @@ class EngineReplica:
             "tp_size": int(self.config.tp_size or 1),
             "kv_peer_id": self.kv_peer_id,
             "rank_actors": list(group.actors) if group is not None else [],
+            "node_id": _ray_node_id(),
         }
 
     async def metrics_text(self) -> str:
@@ -301,6 +304,14 @@ class EngineReplica:
                 self.shutdown()
             except Exception:  # noqa: BLE001 - best effort at teardown
                 logger.debug("engine replica %s: shutdown at teardown failed", self.replica_id, exc_info=True)
+
+
+def _ray_node_id() -> str | None:
+    """The Ray node this process runs on (None when it is not connected to Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 def _serve_replica_id() -> str | None:

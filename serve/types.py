@@ -300,6 +300,12 @@ class ServeOptions:
         elastic_plan: the joiners of an elastic EP deployment, resolved by the driver
             (:func:`~flotilla.serve.elastic_ep.resolve_elastic_plan`); None: not elastic.
         elastic_autoscale: the elastic EP autoscaler (needs ``elastic_plan``; off by default).
+        placement: where ranks run on a multi-node cluster: per group of ranks
+            (:data:`PLACEMENT_GROUPS`: ``engine`` (colocated replicas), ``prefill``, ``decode``,
+            ``joiners`` (elastic EP joining ranks)), Ray resources each of its engine replica
+            actors and each of its rank bundles also requires, e.g. ``{"prefill":
+            {"prefill_nodes": 0.001}}`` with ``ray start --resources '{"prefill_nodes": 1}'``
+            on the prefill node group. Empty: anywhere the default resources fit.
     """
 
     model: str | None = None
@@ -319,3 +325,39 @@ class ServeOptions:
     kv_transfer_timeout_s: float = 30.0
     elastic_plan: ElasticEPPlan | None = None
     elastic_autoscale: ElasticAutoscaleOptions = field(default_factory=ElasticAutoscaleOptions)
+    placement: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_placement(self.placement)
+
+    def resources_for(self, group: str) -> dict[str, float]:
+        """The extra Ray resources of ranks (and replica actors) of ``group`` (see ``placement``)."""
+        return dict(self.placement.get(group, {}))
+
+
+# Groups of ranks ServeOptions.placement may pin to nodes.
+PLACEMENT_GROUPS = ("engine", "prefill", "decode", "joiners")
+
+
+def placement_group_of(pool: str) -> str:
+    """The :data:`PLACEMENT_GROUPS` entry of an engine pool (``colocated`` replicas are ``engine``)."""
+    return "engine" if pool == "colocated" else pool
+
+
+def check_placement(placement: Any) -> None:
+    """ValueError naming the key and value unless ``placement`` maps groups of
+    :data:`PLACEMENT_GROUPS` to ``{resource name: positive amount}``."""
+    if not isinstance(placement, dict):
+        raise ValueError(f"placement must be a mapping of {PLACEMENT_GROUPS} to resources (got placement={placement!r})")
+    for group, resources in placement.items():
+        if group not in PLACEMENT_GROUPS:
+            raise ValueError(f"placement.{group}: unknown group {group!r}; use one of {PLACEMENT_GROUPS}")
+        if not isinstance(resources, dict):
+            raise ValueError(f"placement.{group} must map Ray resource names to amounts (got {resources!r})")
+        for name, amount in resources.items():
+            if not isinstance(name, str) or not name or name in ("CPU", "GPU", "memory"):
+                raise ValueError(
+                    f"placement.{group}: {name!r} is not a custom resource name (CPU and GPU are set by flotilla)"
+                )
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                raise ValueError(f"placement.{group}.{name} must be a positive number (got {amount!r})")

@@ -21,13 +21,27 @@ collect_ignore = [] if os.environ.get("FLOTILLA_GPU_TESTS") == "1" else ["gpu"]
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster on loopback for the whole session (no dashboard), shared by the
-    cluster, serve and deploy tiers.
+    cluster, serve and deploy tiers: a head node (4 CPUs, custom resource ``NODE_A``) and a
+    second simulated node (``NODE_B_CPUS`` CPUs, ``NODE_B``), both raylets on this machine, so
+    multi-node placement is tested here (Ray's ``cluster_utils.Cluster``; see
+    ``helpers.nodes``). Work without custom resources may land on either node; yields the
+    ``Cluster``.
 
     NOTE: session-scoped and shared: two test modules must never each ``ray.init``.
     """
     ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from helpers.nodes import NODE_A, NODE_B, NODE_B_CPUS
+
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {NODE_A: 100}, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=NODE_B_CPUS, resources={NODE_B: 100})
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -74,6 +74,10 @@ class GroupRunner:
     Args:
         config: the resolved configuration (broadcast once to every rank).
         source: the model (every rank loads its own shard).
+        rank_resources: Ray resources each rank's bundle needs besides its CPU or GPU (custom
+            resources that pin the group to a node group); the group still packs on one node.
+        joiner_resources: the same for ranks that join later (elastic EP), which may land on
+            other nodes.
 
     The bounds come from the config, with SGLang's meanings: ``--watchdog-timeout`` bounds
     every wait for the ranks (startup and each step; default 300 s) and ``--dist-timeout``
@@ -81,13 +85,20 @@ class GroupRunner:
     rank therefore surfaces as a ``WorkerGroupError`` within one step bound.
     """
 
-    def __init__(self, config: ResolvedConfig, source: ModelSource):
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        source: ModelSource,
+        rank_resources: dict[str, float] | None = None,
+        joiner_resources: dict[str, float] | None = None,
+    ):
         from flotilla.cluster.group import WorkerGroup
 
         world_size = int(config.tp_size or 1)
         ensure_ray(world_size)
         self.config = config
         self.source = source
+        self.joiner_resources = dict(joiner_resources or {})
         # NOTE: logits come back to the driver on CPU; the driver samples there.
         self.device = torch.device("cpu")
         self.group = WorkerGroup(
@@ -95,6 +106,7 @@ class GroupRunner:
             source,
             rpc_timeout_s=float(config.watchdog_timeout or DEFAULT_STEP_TIMEOUT_S),
             collective_timeout_s=float(config.dist_timeout) if config.dist_timeout else None,
+            bundle_resources=rank_resources,
         )
         # NOTE: every rank must hold every block the scheduler hands out (each DP rank's
         # scheduler is sized alike), so the pool is the smallest any rank allocated.
@@ -156,7 +168,7 @@ class GroupRunner:
         num_experts = next(iter(placements.values())).num_logical
         loads = summed_expert_load(self.group.call("expert_load"), list(placements), num_experts)
         grown = grow_placements(placements, new_size, loads)
-        joiners = self.group.start_joiners(joiner_config, self.source, topology, grown, timeout_s)
+        joiners = self.group.start_joiners(joiner_config, self.source, topology, grown, timeout_s, self.joiner_resources)
         small = [info for info in joiners.infos if info.kv_layout.num_blocks < self.kv_layout.num_blocks]
         if small or any(info.kv_layout.block_size != self.kv_layout.block_size for info in joiners.infos):
             self.group.discard_joiners(joiners)

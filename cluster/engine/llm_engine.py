@@ -104,13 +104,24 @@ class LLMEngine:
         tokenizer: an HF tokenizer for detokenization and stop strings; without one,
             completions carry token ids only (``text`` stays empty).
         runner: a prebuilt :class:`ModelRunner` (built from ``config`` and ``source`` when None).
+        placement: Ray resources that ranks on a worker group need besides their CPU or GPU
+            (``{"ranks": {...}, "joiners": {...}}``, see :func:`build_runner`); also used by
+            :meth:`restart`.
     """
 
-    def __init__(self, config: ResolvedConfig, source: ModelSource, tokenizer: Any = None, runner: ModelRunner | None = None):
+    def __init__(
+        self,
+        config: ResolvedConfig,
+        source: ModelSource,
+        tokenizer: Any = None,
+        runner: ModelRunner | None = None,
+        placement: dict[str, dict[str, float]] | None = None,
+    ):
         self.config = config
         self.source = source
         self.tokenizer = tokenizer
-        self.runner = runner or _build_runner(config, source)
+        self.placement = dict(placement or {})
+        self.runner = runner or build_runner(config, source, **self.placement)
         # NOTE: a DPScheduler (one scheduler per DP-attention rank) under DP attention.
         self.scheduler = build_scheduler(config, scheduler_config_for(config, self.runner.kv_layout))
         self.vocab_size = self.runner.vocab_size
@@ -299,7 +310,7 @@ class LLMEngine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
-        self.runner = _build_runner(self.config, self.source)
+        self.runner = build_runner(self.config, self.source, **self.placement)
         self.scheduler = build_scheduler(self.config, scheduler_config_for(self.config, self.runner.kv_layout))
         self.dead = None
 
@@ -526,14 +537,23 @@ def _require_handoff_support(scheduler: Any) -> None:
         )
 
 
-def _build_runner(config: ResolvedConfig, source: ModelSource) -> Any:
+def build_runner(
+    config: ResolvedConfig,
+    source: ModelSource,
+    ranks: dict[str, float] | None = None,
+    joiners: dict[str, float] | None = None,
+) -> Any:
     """The in-process :class:`ModelRunner`, or a Ray worker group when ``tp_size > 1`` or when
-    the group may grow (elastic EP: joining ranks need the running ones in a Ray group)."""
+    the group may grow (elastic EP: joining ranks need the running ones in a Ray group).
+
+    ``ranks`` / ``joiners``: Ray resources each rank's bundle (of the group, of elastic EP
+    joiners) needs besides its CPU or GPU, to pin ranks to nodes; an in-process runner runs
+    where its caller does."""
     if int(config.tp_size or 1) > 1 or can_grow_elastic_ep(config):
         # NOTE: imported lazily: a single-rank engine never imports Ray.
         from flotilla.cluster.engine.group_runner import GroupRunner
 
-        return GroupRunner(config, source)
+        return GroupRunner(config, source, rank_resources=ranks, joiner_resources=joiners)
     return ModelRunner(config, source)
 
 

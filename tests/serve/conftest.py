@@ -25,7 +25,8 @@ def serve_http(ray_cluster):
     from flotilla.serve.metrics import shutdown_metrics_hub
 
     port = free_loopback_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # NOTE: one proxy: the session's second simulated node shares this machine's loopback.
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     shutdown_metrics_hub()  # NOTE: a detached actor: it would outlive the session

@@ -2,6 +2,9 @@
 (KV blocks moved by NIXL over UCX on loopback) next to the same model served colocated,
 both on the session's Serve, driven over real HTTP by the official ``openai`` client.
 
+The prefill pool is pinned to the session's first simulated Ray node and the decode pool to
+the second (``placement``), so every KV handoff crosses nodes.
+
 The oracle is the colocated deployment: greedy outputs through PD must equal its outputs
 for short, long and prefix-sharing prompts, streamed and not. Metrics are read from the PD
 application's ``/metrics``: every series carries a ``pool`` label, so the checks pick the
@@ -18,6 +21,7 @@ import openai
 import pytest
 
 from helpers.live_metrics import metrics, total, wait_for
+from helpers.nodes import NODE_A, NODE_B, node_holding
 
 PD_APP, COLOCATED_APP = "flotilla-pd-test", "flotilla-colocated-test"
 MAX_TOKENS = 12
@@ -59,7 +63,9 @@ def apps(serve_http):
     prefill_fields, decode_fields = pd_server_fields(given)
     prefill, _ = resolve_for_serving(prefill_fields, platform)
     decode, _ = resolve_for_serving(decode_fields, platform)
-    pd_options = serve_options(decode, model=model, disaggregation_mode="pd", kv_transport="nixl")
+    # NOTE: prefill on the session's first simulated node, decode on the second: KV crosses nodes.
+    placement = {"prefill": {NODE_A: 1}, "decode": {NODE_B: 1}}
+    pd_options = serve_options(decode, model=model, disaggregation_mode="pd", kv_transport="nixl", placement=placement)
     serve.run(build_pd_app(prefill, decode, pd_options), name=PD_APP, route_prefix="/pd")
     serve.run(build_app(colocated, serve_options(colocated, model=model)), name=COLOCATED_APP, route_prefix="/colo")
     wait_until_healthy(f"{serve_http}/pd", 120)
@@ -67,6 +73,14 @@ def apps(serve_http):
     yield SimpleNamespace(pd=f"{serve_http}/pd", colocated=f"{serve_http}/colo")
     serve.delete(PD_APP)
     serve.delete(COLOCATED_APP)
+
+
+def test_the_pools_run_on_the_nodes_their_placement_names(apps):
+    from ray import serve
+
+    for pool, resource in (("prefill", NODE_A), ("decode", NODE_B)):
+        where = serve.get_deployment_handle(pool, app_name=PD_APP).describe.remote().result(timeout_s=30)
+        assert where["pool"] == pool and where["node_id"] == node_holding(resource)
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -9,6 +9,9 @@ DP attention at one rank) grows to EP 2 between two steps while requests are in 
   non-empty steps; the running rank loaded no weights (its expert rows are unchanged);
 - a joiner killed between loading and the commit, or a commit that cannot rendezvous,
   leaves the engine serving at its old size with the joiners gone.
+
+The running rank is pinned to the session's first simulated node and joiners to the second
+(``LLMEngine(placement=...)``), so the grown group spans two Ray nodes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from flotilla.cluster.engine.llm_engine import LLMEngine  # noqa: E402
 from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
 from flotilla.cluster.platform import probe  # noqa: E402
 from flotilla.resolution import ModelFacts, ServerArgs, resolve  # noqa: E402
+from helpers.nodes import NODE_A, NODE_B, node_holding  # noqa: E402
 from helpers.prompts import random_prompts  # noqa: E402
 from helpers.tiny_moe import save_tiny_qwen3_moe  # noqa: E402
 
@@ -72,7 +76,7 @@ def _run(engine: LLMEngine, prompts, ids) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def engine(ray_cluster, model):
     config, _, source, _ = model
-    engine = LLMEngine(config, source)
+    engine = LLMEngine(config, source, placement={"ranks": {NODE_A: 1}, "joiners": {NODE_B: 1}})
     yield engine
     engine.runner.shutdown()
 
@@ -166,6 +170,7 @@ def test_grow_to_ep2_mid_generation_keeps_every_greedy_token(engine, model, orac
     got = {rid: engine.get_output(rid).outputs[0].token_ids for rid in first + second}
     want = {rid: oracle[f"oracle-{rid.split('-')[1]}"] for rid in first + second}
     assert got == want
+    assert engine.runner.group.call("node_id") == [node_holding(NODE_A), node_holding(NODE_B)]
     stats = engine.runner.group.call("step_stats")
     assert stats[1]["steps"] > stats[1]["empty_steps"], f"the new rank never ran a batch: {stats}"
     after = engine.runner.group.call("expert_placements")
