@@ -17,6 +17,7 @@ from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig  # noqa
 from flotilla.cluster.group import WorkerGroup, WorkerGroupError  # noqa: E402
 from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
 from flotilla.cluster.worker import ConfigMismatchError, StepBatch, WorkerActor  # noqa: E402
+from helpers.nodes import NODE_B, node_holding  # noqa: E402
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
 from helpers.tiny_models import save_tiny_llama
 
@@ -85,8 +86,11 @@ def test_world_size_1_matches_in_process_runner(ray_cluster, source, single_rank
 
 
 def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_tokens):
-    group = WorkerGroup(resolved(source, tp_size=2), source, rpc_timeout_s=30)
+    # NOTE: pinned to the session's second simulated node: rank 0 hosts the rendezvous there,
+    # and the TP group packs onto that one node.
+    group = WorkerGroup(resolved(source, tp_size=2), source, rpc_timeout_s=30, bundle_resources={NODE_B: 1})
     try:
+        assert group.call("node_id") == [node_holding(NODE_B)] * 2
         # Each rank holds one of the two KV heads: half the single-rank cache bytes per token.
         assert group.kv_layout.bytes_per_token * 2 == ModelRunner(resolved(source), source).kv_layout.bytes_per_token
         assert greedy_tokens(group.execute, group.kv_layout) == single_rank_tokens
