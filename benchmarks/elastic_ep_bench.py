@@ -25,6 +25,8 @@ Reported (seconds):
 Usage::
 
     .venv/bin/python benchmarks/elastic_ep_bench.py --json benchmarks/results/elastic-ep-cpu.json
+    # 2 GPUs (NCCL), torch kernels until the GPU kernel backends land:
+    python3 benchmarks/elastic_ep_bench.py --json elastic-ep-h200x2.json attention_backend=torch_native
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_bench import server_flags  # noqa: E402
 
 # A Qwen3-MoE shape small enough for a 2-core CPU box, big enough that loading is not free:
 # 16 experts top-4 in every layer, ~50M parameters.
@@ -155,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-timeout", type=float, default=300.0)
     parser.add_argument("--rounds", type=int, default=2, help="fresh engine per round")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("flags", nargs="*", help="more server fields as key=value (e.g. attention_backend=torch_native)")
     args = parser.parse_args(argv)
+    flags = {**ELASTIC, **server_flags(args.flags)}
 
     import ray
 
@@ -166,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(SHAPE))
-        config, source = _resolve(model_dir, ELASTIC)
-        joiner_config, _ = _resolve(model_dir, {**ELASTIC, **JOINER})
+        config, source = _resolve(model_dir, flags)
+        joiner_config, _ = _resolve(model_dir, {**flags, **JOINER})
         for index in range(args.rounds):
             engine = AsyncEngine.from_config(config, source, None, 4 * args.streams, replica_id=f"bench-{index}")
             try:
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_token_gap_after_scale_s", "prepare_s", "scale_to_serving_s",
     )
     summary = {k: statistics.median(r[k] for r in rounds) for k in keys}
-    out = {"shape": SHAPE, "flags": ELASTIC, "args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds, "median": summary}
+    out = {"shape": SHAPE, "flags": flags, "device": config.device, "args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds, "median": summary}
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
