@@ -15,6 +15,7 @@ commands:
   resolve   resolve the server configuration for a model and platform, and print it
   serve     start the OpenAI-compatible endpoint on a Ray cluster
   bench     measure throughput (`flotilla bench offline`: the in-process engine, optionally vs HF)
+  deploy    deployment tools (`flotilla deploy wheelhouse DIR`: every wheel an air-gapped node needs)
 
 run `flotilla <command> --help` for a command's options.
 """
@@ -38,7 +39,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flotilla.deploy.serve_cmd import run_serve
 
         return run_serve(rest)
+    if command == "deploy":
+        return _deploy(rest)
     print(f"flotilla: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+DEPLOY_USAGE = """usage: flotilla deploy <tool> [options]
+
+tools:
+  wheelhouse  collect flotilla's wheel and every dependency's into a folder, for `pip install --no-index`
+"""
+
+
+def _deploy(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(DEPLOY_USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] == "wheelhouse":
+        from flotilla.deploy.wheelhouse import run_wheelhouse
+
+        return run_wheelhouse(argv[1:])
+    print(f"flotilla deploy: unknown tool {argv[0]!r}\n\n{DEPLOY_USAGE}", file=sys.stderr, end="")
     return 2
 
 

@@ -1,6 +1,6 @@
 """``flotilla serve``: the OpenAI-compatible endpoint on a Ray cluster.
 
-    flotilla serve [--model M] [server flags, SGLang spelling]...
+    flotilla serve [--config FILE] [--model M] [server flags, SGLang spelling]...
                    [--router least-loaded|prefix-affinity] [--num-replicas N]
                    [--replica-num-cpus C] [--address ADDR] [--non-blocking]
                    [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
@@ -8,6 +8,9 @@
                     [--kv-load-failure-policy recompute|fail]]
                    [--elastic-ep-autoscale [--elastic-ep-autoscale-interval S] ...]
 
+``--config FILE`` reads a Ray Serve config file (the one ``serve deploy`` takes, see
+deploy/examples/): its flotilla application's ``args`` and ``http_options`` host/port
+become these flags, and flags on the command line win (see :mod:`flotilla.deploy.config_file`).
 The server flags are ``flotilla resolve``'s (``--tp-size``, ``--max-running-requests``,
 ...); ``--host`` (default 127.0.0.1), ``--port`` (30000), ``--api-key``,
 ``--max-queued-requests`` and ``--served-model-name`` act as in SGLang. The configuration
@@ -57,6 +60,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Sequence
 
+from flotilla.deploy.config_file import config_argv, load_serve_config, split_config_flag
 from flotilla.resolution import ArgumentError, ResolutionError
 from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
 from flotilla.resolution.fields import FIELDS
@@ -77,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     own = parser.add_argument_group("serve options")
     own.add_argument("--help", "-h", action="help", help="show this help and exit")
+    own.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="a Serve config YAML (deploy/examples/): its flotilla application's args and http_options "
+        "host/port as flags; flags given here win",
+    )
     own.add_argument(
         "--router",
         choices=("least-loaded", "prefix-affinity"),
@@ -176,8 +187,29 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str,
     """(own options, the server fields given); :class:`ArgumentError` on bad input.
     ``opts.pd`` says whether ``--disaggregation-mode pd`` was given;
     ``opts.elastic_autoscale`` holds the ``--elastic-ep-autoscale*`` flags as
-    :class:`~flotilla.serve.types.ElasticAutoscaleOptions`."""
+    :class:`~flotilla.serve.types.ElasticAutoscaleOptions`. With ``--config FILE`` the
+    file's flags come first (the command line's win); ``opts.config_file`` is the
+    :class:`~flotilla.deploy.config_file.ServeConfigFile` (else None), and
+    ``opts.placement`` / ``opts.max_body_bytes`` carry its values that have no flag."""
     parser = build_parser()
+    path, argv = split_config_flag(argv)
+    config_file = load_serve_config(path) if path is not None else None
+    if config_file is None:
+        opts, given = _parse_flags(parser, argv)
+    else:
+        file_argv = config_argv(config_file, parser)  # NOTE: its errors name the file, key and value
+        try:
+            opts, given = _parse_flags(parser, file_argv + argv)
+        except ArgumentError as exc:
+            # NOTE: a check across flags (a PD flag without pd, a bound); each arg is the flag of its name.
+            raise ArgumentError(f"{path} (its args as flags) with the command line: {exc}") from None
+    opts.config, opts.config_file = path, config_file
+    opts.placement = config_file.placement if config_file is not None else {}
+    opts.max_body_bytes = config_file.max_body_bytes if config_file is not None else None
+    return opts, given
+
+
+def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
     argv, pd = split_pd_mode(argv)
     opts, unknown = parser.parse_known_args(argv)
     opts.pd = pd
@@ -200,22 +232,24 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str,
     return opts, given
 
 
-def resolve_serving(opts: argparse.Namespace, given: dict[str, Any]) -> tuple[Any, Any, Any]:
+def resolve_serving(opts: argparse.Namespace, given: dict[str, Any], platform: Any = None) -> tuple[Any, Any, Any]:
     """Resolve once per pool: (config, decode config or None, ServeOptions). In PD mode
     ``config`` is the prefill pool's. An elastic EP deployment's joining groups are
-    resolved here too (``options.elastic_plan``), for the same platform facts."""
+    resolved here too (``options.elastic_plan``), for the same platform facts.
+    ``platform``: the PlatformFacts to resolve for (default: probed on a worker node; a
+    preset such as ``PRESETS["h200"]`` plans for hardware this machine lacks)."""
     from flotilla.serve.app import resolve_colocated, resolve_for_serving, serve_options
 
     plan = None
     if not opts.pd:
-        config, model, plan = resolve_colocated(given)
+        config, model, plan = resolve_colocated(given, platform)
         decode_config = None
     else:
         from flotilla.serve.pd import pd_server_fields
 
         prefill_fields, decode_fields = pd_server_fields(given, opts.prefill_tp, opts.decode_tp)
-        config, model = resolve_for_serving(prefill_fields)
-        decode_config, _ = resolve_for_serving(decode_fields)
+        config, model = resolve_for_serving(prefill_fields, platform)
+        decode_config, _ = resolve_for_serving(decode_fields, platform)
     options = serve_options(
         decode_config or config,
         model=model,
@@ -230,6 +264,8 @@ def resolve_serving(opts: argparse.Namespace, given: dict[str, Any]) -> tuple[An
         kv_load_failure_policy=opts.kv_load_failure_policy,
         elastic_plan=plan,
         elastic_autoscale=getattr(opts, "elastic_autoscale", None),
+        max_body_bytes=getattr(opts, "max_body_bytes", None),
+        placement=getattr(opts, "placement", None),
     )
     return config, decode_config, options
 
@@ -247,6 +283,8 @@ def run_serve(argv: Sequence[str]) -> int:
     except ArgumentError as exc:
         _print_error(exc)
         return 2
+    for note in opts.config_file.notes if opts.config_file is not None else ():
+        print(f"flotilla serve: note: {note}", file=sys.stderr)
     if not joining:
         # NOTE: Ray reads this when it is imported (below): without it Ray 2.60 binds the
         # non-loopback interface even for a local cluster.

@@ -479,6 +479,15 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
 def _flag_argv(name: str, value: Any) -> list[str]:
     """``name=value`` (a server field, value from a CLI string or typed YAML) as flags."""
     spec = FIELDS.get(name)
+    if spec is not None and not spec.cli:
+        # NOTE: a field set only through a deprecated flag (e.g. disable_cuda_graph, whose flag
+        # --disable-cuda-graph the CLI still takes): the args take it under its field name too.
+        switch = next((d for d in spec.deprecated if not d.takes_value), None)
+        if switch is not None:
+            text = str(value).strip().lower()
+            if text not in ("true", "false", "1", "0", "yes", "no"):
+                raise ArgumentError(f"{name} expects true or false, got {value!r}")
+            return [switch.flag] if (text in ("true", "1", "yes")) == bool(switch.const) else []
     if spec is None or not spec.cli:
         from flotilla.resolution.args import closest_flag
 
