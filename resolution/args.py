@@ -94,6 +94,9 @@ def add_server_flags(parser: argparse.ArgumentParser, fields: Iterable[FieldSpec
                     kwargs["nargs"] = spec.nargs
                 flags = tuple(f for f in spec.flags if not f.startswith("--no-"))
                 group.add_argument(*flags, **kwargs)
+        # NOTE: a field with no flag of its own (cli=False) is set only by its deprecated
+        # spellings: their help says what the field does instead of naming a missing flag.
+        dep_help = f"deprecated: use {spec.flag}" if spec.cli else f"{spec.help} (deprecated spelling)"
         for dep in spec.deprecated:
             if dep.takes_value:
                 extra: dict[str, Any] = {"nargs": spec.nargs} if spec.nargs else {}
@@ -104,7 +107,7 @@ def add_server_flags(parser: argparse.ArgumentParser, fields: Iterable[FieldSpec
                     dest=spec.name,
                     default=argparse.SUPPRESS,
                     type=_CONVERTERS.get(spec.kind, _parse_str),
-                    help=f"deprecated: use {spec.flag}",
+                    help=dep_help,
                     **extra,
                 )
             else:
@@ -114,7 +117,7 @@ def add_server_flags(parser: argparse.ArgumentParser, fields: Iterable[FieldSpec
                     default=argparse.SUPPRESS,
                     action="store_const",
                     const=dep.const,
-                    help=f"deprecated: use {spec.flag}",
+                    help=dep_help,
                 )
 
 

@@ -472,7 +472,9 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     # for `serve run`, export it); setting it here covers the processes Ray starts.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False)
+    # NOTE: address="local": a new cluster even when `ray start` runs one on this machine
+    # (plain ray.init() would attach to it and then refuse num_cpus); join one with address.
+    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False)
     return True
 
 

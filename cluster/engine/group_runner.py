@@ -65,7 +65,8 @@ def ensure_ray(num_ranks: int) -> None:
         return
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ray.init(include_dashboard=False, num_cpus=max(4, num_ranks), log_to_driver=False, configure_logging=False)
+    # NOTE: address="local": a new cluster even when `ray start` runs one on this machine.
+    ray.init(address="local", include_dashboard=False, num_cpus=max(4, num_ranks), log_to_driver=False, configure_logging=False)
 
 
 class GroupRunner:
