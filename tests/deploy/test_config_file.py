@@ -19,20 +19,9 @@ from flotilla.deploy.config_file import (
 from flotilla.deploy.serve_cmd import build_parser, parse_serve_args, resolve_serving, run_serve
 from flotilla.resolution import ArgumentError
 from flotilla.resolution.platform import PRESETS
+from helpers.resolution_configs import LLAMA_128K
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "max_position_embeddings": 131072,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "bfloat16",
-}
+LLAMA = LLAMA_128K
 
 
 def write_config(path, args, http="host: 127.0.0.1\n  port: 8100", extra_apps=""):

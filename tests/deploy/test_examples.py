@@ -14,23 +14,14 @@ from flotilla.deploy.config_file import load_serve_config
 from flotilla.deploy.serve_cmd import parse_serve_args, resolve_serving
 from flotilla.resolution.platform import PRESETS
 from flotilla.serve.types import check_placement
+from helpers.resolution_configs import LLAMA_128K
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
 # The models' config.json as published (the keys resolution and the model code read).
 LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "num_hidden_layers": 32,
-    "max_position_embeddings": 131072,
-    "vocab_size": 128256,
+    **LLAMA_128K,
     "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
     "rope_scaling": {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -41,7 +32,6 @@ LLAMA_31_8B = {
     "tie_word_embeddings": False,
     "bos_token_id": 128000,
     "eos_token_id": [128001, 128008, 128009],
-    "torch_dtype": "bfloat16",
 }
 LLAMA_31_70B = {
     **LLAMA_31_8B,
