@@ -71,6 +71,10 @@ ENGINE_GRACEFUL_SHUTDOWN_S = 10.0
 # A replica whose constructor fails (bad model, out of memory) is retried this often
 # before the deployment fails, so a bad start fails fast instead of looping.
 MAX_CONSTRUCTOR_RETRIES = 3
+# How long the ingress waits for a scale beyond --elastic-ep-scale-timeout: the commit's own
+# bounds (a rendezvous of at most --dist-timeout, default 60 s, then the ranks' RPC bound,
+# --watchdog-timeout, default 300 s) with room to spare.
+SCALE_COMMIT_MARGIN_S = 600.0
 # Bounds on the ingress's calls for /health and /metrics.
 HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 5.0
@@ -91,12 +95,15 @@ class ServeEngineClient:
         handle: the ``DeploymentHandle`` of the engine deployment (Serve gives the ingress
             one for the bound engine application).
         metrics_timeout_s: bound on gathering the replicas' metrics.
+        scale_timeout_s: bound on one elastic EP scale call (the replica bounds the join itself;
+            this bounds the wait on the replica).
     """
 
-    def __init__(self, handle: Any, metrics_timeout_s: float = METRICS_TIMEOUT_S):
+    def __init__(self, handle: Any, metrics_timeout_s: float = METRICS_TIMEOUT_S, scale_timeout_s: float | None = None):
         self._handle = handle
         self._stream = handle.options(stream=True, method_name="generate")
         self._metrics_timeout_s = metrics_timeout_s
+        self._scale_timeout_s = scale_timeout_s
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream the request's chunks from the replica the router picks. Closing the
@@ -124,8 +131,9 @@ class ServeEngineClient:
         """Grow the elastic EP group (the replica's
         :meth:`~flotilla.serve.engine_replica.EngineReplica.scale_elastic_ep`); raises the
         replica's :class:`~flotilla.serve.elastic_ep.ElasticScaleError` or the contract's
-        errors. Unbounded here: the replica bounds a join by ``--elastic-ep-scale-timeout``."""
-        return await self._admin(self._handle.scale_elastic_ep, new_ep_size)
+        errors. The replica bounds the join (``--elastic-ep-scale-timeout`` for the joiners, the
+        collective and RPC bounds for the commit); this call waits ``scale_timeout_s`` at most."""
+        return await self._admin(self._handle.scale_elastic_ep, new_ep_size, timeout_s=self._scale_timeout_s)
 
     async def is_scaling_elastic_ep(self) -> bool:
         """Whether the elastic EP group is scaling (bounded by the health timeout)."""
@@ -165,7 +173,9 @@ class OpenAIIngress:
 
     def __init__(self, engine: Any, config: ResolvedConfig, options: ServeOptions, decode_engine: Any = None):
         if decode_engine is None:
-            self._client = ServeEngineClient(engine)
+            plan = options.elastic_plan
+            scale_timeout = None if plan is None else plan.scale_timeout_s + SCALE_COMMIT_MARGIN_S
+            self._client = ServeEngineClient(engine, scale_timeout_s=scale_timeout)
         else:
             from flotilla.serve.pd import PDEngineClient
 
