@@ -70,7 +70,6 @@ ELASTIC = dict(
     elastic_ep_backend="ray", max_ep_size=2, disable_cuda_graph=True, load_format="dummy",
     max_total_tokens=8192, disable_radix_cache=True,
 )
-JOINER = dict(ep_join_mode="scale", node_rank=1, ep_join_rank_offset=1, elastic_ep_initial_size=1, moe_dense_tp_size=1)
 
 
 def _resolve(model_dir: str, flags: dict):
@@ -167,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from flotilla.serve.async_engine import AsyncEngine
+    from flotilla.serve.elastic_ep import joiner_fields
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False, configure_logging=False)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(SHAPE))
         config, source = _resolve(model_dir, flags)
-        joiner_config, _ = _resolve(model_dir, {**flags, **JOINER})
+        joiner_config, _ = _resolve(model_dir, joiner_fields(flags, current=1, new=2, initial=1))
         for index in range(args.rounds):
             engine = AsyncEngine.from_config(config, source, None, 4 * args.streams, replica_id=f"bench-{index}")
             try:

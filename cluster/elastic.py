@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.cluster.eplb import ExpertPlacement, grow_placement
 from flotilla.cluster.topology import Topology
 
@@ -66,10 +67,11 @@ def check_elastic_growth(config: Any, current: int, new_size: int) -> None:
     """Raise ElasticJoinError unless ``config`` is an elastic EP deployment on flotilla's
     ``ray`` backend that may grow from ``current`` to ``new_size`` ranks."""
     backend, max_ep = getattr(config, "elastic_ep_backend", None), getattr(config, "max_ep_size", None)
-    if backend != "ray" or max_ep is None:
+    if not can_grow_elastic_ep(config):
         raise ElasticJoinError(
-            f"this deployment is not elastic (elastic_ep_backend={backend!r}, max_ep_size={max_ep!r}); "
-            "start it with --elastic-ep-backend ray --max-ep-size N"
+            f"this deployment is not elastic (elastic_ep_backend={backend!r}, max_ep_size={max_ep!r}, "
+            f"tp_size={getattr(config, 'tp_size', None)!r}); start it with --elastic-ep-backend ray and "
+            "--max-ep-size above its size"
         )
     if isinstance(new_size, bool) or not isinstance(new_size, int) or new_size <= current:
         raise ElasticJoinError(f"new_ep_size={new_size!r} must be an integer above the current EP size {current}")

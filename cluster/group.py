@@ -169,7 +169,7 @@ class WorkerGroup:
         strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle)
         named = {"name": name} if name else {}
         return WorkerActor.options(scheduling_strategy=strategy, runtime_env={"env_vars": env}, **resources, **named).remote(
-            rank, world_size, digest, 0, self.collective_timeout_s
+            rank, world_size, digest, self.collective_timeout_s
         )
 
     # -- the step seam --------------------------------------------------------

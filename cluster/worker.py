@@ -3,12 +3,13 @@
 :class:`Worker` is a plain class holding the logic (testable in-process);
 :data:`WorkerActor` is the Ray actor shell around it. A worker's life:
 
-1. built with ``(rank, world_size, expected_digest, master_port)``;
+1. built with ``(rank, world_size, expected_digest)``;
 2. :meth:`Worker.accept_config` receives the frozen ``ResolvedConfig`` from the
    object store (the driver ``ray.put``\\ s it once and hands the same ref to every
    rank) and refuses it when its digest is not the group's;
-3. :meth:`Worker.load` joins ``torch.distributed`` (gloo over loopback on CPU, NCCL on
-   CUDA) and one communicator per group of the config's :class:`Topology`, builds this
+3. :meth:`Worker.load` joins ``torch.distributed`` (gloo on CPU, NCCL on CUDA) at rank 0's
+   :meth:`Worker.rendezvous_point` and one communicator per group of the config's
+   :class:`Topology`, builds this
    rank's model shard and its KV cache;
 4. :meth:`Worker.execute` runs one scheduled batch; every rank runs it, rank 0
    returns the sampled tokens. Under DP attention every rank runs its DP rank's part
@@ -95,9 +96,8 @@ class Worker:
 
     Args:
         rank: this rank, in ``[0, world_size)``.
-        world_size: ranks in the group (all tensor-parallel for now).
+        world_size: ranks in the group (it grows at an elastic EP commit).
         expected_digest: the group's ``ResolvedConfig.digest``.
-        master_port: loopback port rank 0's rendezvous store listens on.
         collective_timeout_s: bound on every collective of this rank.
     """
 
@@ -106,14 +106,12 @@ class Worker:
         rank: int,
         world_size: int,
         expected_digest: str,
-        master_port: int,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.rank, self.world_size = rank, world_size
         self.expected_digest = expected_digest
-        self.master_port = master_port
         self.collective_timeout_s = collective_timeout_s
         self.config: ResolvedConfig | None = None
         self.runner: ModelRunner | None = None
@@ -149,9 +147,9 @@ class Worker:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
-    def load(self, source: ModelSource, rendezvous: tuple[str, int] | None = None) -> WorkerInfo:
-        """Join the process groups (rank 0's :meth:`rendezvous_point`; loopback and the
-        constructor's ``master_port`` when None), build this rank's model shard and KV cache."""
+    def load(self, source: ModelSource, rendezvous: tuple[str, int]) -> WorkerInfo:
+        """Join the process groups at ``rendezvous`` (rank 0's :meth:`rendezvous_point`),
+        build this rank's model shard and KV cache."""
         if self.config is None:
             raise RuntimeError(f"rank {self.rank}: load() before accept_config()")
         topology = Topology.from_config(self.config)
@@ -161,7 +159,7 @@ class Worker:
                 f"world_size={self.world_size}"
             )
         self.topology = topology
-        self.layout = self._layout(topology, self._init_distributed(topology, rendezvous or ("127.0.0.1", self.master_port)))
+        self.layout = self._layout(topology, self._init_distributed(topology, rendezvous))
         self.runner = build_runner(self.config, source, self.layout)
         return self._info()
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from flotilla.cluster.elastic import ElasticJoinError
+from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.resolution import ResolvedConfig
 from flotilla.serve.types import EngineUnavailableError
 
@@ -134,13 +135,6 @@ class ElasticEPPlan:
         return config
 
 
-def is_elastic(config: ResolvedConfig) -> bool:
-    """Whether ``config`` is a deployment flotilla grows at run time: ``--elastic-ep-backend
-    ray`` with ``--max-ep-size`` above its ``tp_size``."""
-    max_ep = config.max_ep_size
-    return config.elastic_ep_backend == "ray" and max_ep is not None and int(max_ep) > int(config.tp_size or 1)
-
-
 def joiner_fields(given: Mapping[str, Any], current: int, new: int, initial: int) -> dict[str, Any]:
     """The server fields of the group that grows ``current`` ranks to ``new``: the user's
     fields with SGLang's joiner flags on top (see the module docstring)."""
@@ -157,7 +151,7 @@ def joiner_fields(given: Mapping[str, Any], current: int, new: int, initial: int
 
 def resolve_elastic_plan(given_fields: Mapping[str, Any], config: ResolvedConfig, platform: Any = None) -> ElasticEPPlan | None:
     """The joiners' plan of an elastic deployment, or None when ``config`` is not one
-    (see :func:`is_elastic`).
+    (see :func:`~flotilla.cluster.engine.dp_scheduler.can_grow_elastic_ep`).
 
     Args:
         given_fields: the server fields the user set (as for
@@ -175,7 +169,7 @@ def resolve_elastic_plan(given_fields: Mapping[str, Any], config: ResolvedConfig
     from flotilla.resolution import ResolutionError
     from flotilla.serve.app import resolve_for_serving
 
-    if not is_elastic(config):
+    if not can_grow_elastic_ep(config):
         return None
     for name, flag in (("ep_join_mode", "--ep-join-mode"), ("ep_join_rank_offset", "--elastic-ep-join-rank-offset"),
                        ("node_rank", "--node-rank")):  # fmt: skip

@@ -63,12 +63,12 @@ def single_rank_tokens(source):
 def test_config_is_broadcast_once_and_a_mismatched_digest_is_refused(ray_cluster, source):
     config = resolved(source)
     ref = ray.put(config)
-    workers = [WorkerActor.options(num_cpus=0.1).remote(rank, 2, config.digest, 0) for rank in range(2)]
+    workers = [WorkerActor.options(num_cpus=0.1).remote(rank, 2, config.digest) for rank in range(2)]
     assert ray.get([w.accept_config.remote(ref) for w in workers], timeout=30) == [config.digest] * 2
 
     other = resolved(source, random_seed=1234)
     assert other.digest != config.digest
-    stranger = WorkerActor.options(num_cpus=0.1).remote(0, 1, other.digest, 0)
+    stranger = WorkerActor.options(num_cpus=0.1).remote(0, 1, other.digest)
     with pytest.raises(ConfigMismatchError) as info:
         ray.get(stranger.accept_config.remote(ref), timeout=30)
     assert config.digest in str(info.value) and other.digest in str(info.value)

@@ -13,21 +13,20 @@ from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.cluster.platform import probe
 from flotilla.resolution import ModelFacts, ServerArgs, resolve
+from flotilla.serve.elastic_ep import joiner_fields
+from helpers.elastic_live import ELASTIC
 from helpers.prompts import random_prompts
 from helpers.tiny_moe import save_tiny_qwen3_moe
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-ELASTIC = dict(
-    tp_size=1, dp_size=1, ep_size=1, enable_dp_attention=True, enable_dp_lm_head=True,
-    elastic_ep_backend="ray", max_ep_size=2, disable_cuda_graph=True, max_total_tokens=2048,
-    dtype="float32", attention_backend="torch_native", disable_radix_cache=True,
-)  # fmt: skip
-JOINER = dict(ep_join_mode="scale", node_rank=1, ep_join_rank_offset=1, elastic_ep_initial_size=1, moe_dense_tp_size=1)
+FLAGS = dict(
+    ELASTIC, max_total_tokens=2048, dtype="float32", attention_backend="torch_native", disable_radix_cache=True
+)
 
 
 def _resolve(path: str, **flags):
     source = resolve_model_source(path)
-    args = ServerArgs.create(model_path=path, **{**ELASTIC, **flags})
+    args = ServerArgs.create(model_path=path, **{**FLAGS, **flags})
     return resolve(args, ModelFacts.from_hf_config(source.config_dict), probe()), source
 
 
@@ -40,7 +39,7 @@ def _finish(engine, ids):
 def test_grow_from_one_gpu_to_two_over_nccl_keeps_greedy_tokens(gpu_ray_cluster, tmp_path):
     save_tiny_qwen3_moe(tmp_path)
     config, source = _resolve(str(tmp_path))
-    joiner, _ = _resolve(str(tmp_path), **JOINER)
+    joiner, _ = _resolve(str(tmp_path), **joiner_fields({}, current=1, new=2, initial=1))
     assert config.device == "cuda"
     prompts = random_prompts((5, 17, 40, 9), 256)
     engine = LLMEngine(config, source)

@@ -33,26 +33,25 @@ from flotilla.cluster.engine.llm_engine import LLMEngine  # noqa: E402
 from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
 from flotilla.cluster.platform import probe  # noqa: E402
 from flotilla.resolution import ModelFacts, ServerArgs, resolve  # noqa: E402
+from flotilla.serve.elastic_ep import joiner_fields  # noqa: E402
+from helpers.elastic_live import ELASTIC  # noqa: E402
 from helpers.nodes import NODE_A, NODE_B, node_holding  # noqa: E402
 from helpers.prompts import random_prompts  # noqa: E402
 from helpers.tiny_moe import save_tiny_qwen3_moe  # noqa: E402
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-ELASTIC = dict(
-    tp_size=1, dp_size=1, ep_size=1, enable_dp_attention=True, enable_dp_lm_head=True,
-    elastic_ep_backend="ray", max_ep_size=2, disable_cuda_graph=True, max_total_tokens=1024,
-    disable_radix_cache=True, expert_distribution_recorder_mode="stat",
+FLAGS = dict(
+    ELASTIC, max_total_tokens=1024, disable_radix_cache=True, expert_distribution_recorder_mode="stat",
     # NOTE: bounds a rendezvous with a dead peer (the commit's worst case) to keep the tests short.
     dist_timeout=20,
 )
-JOINER = dict(ep_join_mode="scale", node_rank=1, ep_join_rank_offset=1, elastic_ep_initial_size=1, moe_dense_tp_size=1)
 JOIN_TIMEOUT_S = 120.0
 
 
 def _config(path: str, **flags):
     source = resolve_model_source(path)
-    args = ServerArgs.create(model_path=path, **{**ELASTIC, **flags})
+    args = ServerArgs.create(model_path=path, **{**FLAGS, **flags})
     return resolve(args, ModelFacts.from_hf_config(source.config_dict), probe()), source
 
 
@@ -61,7 +60,7 @@ def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen3-moe-elastic")
     save_tiny_qwen3_moe(path)
     config, source = _config(str(path))
-    joiner, _ = _config(str(path), **JOINER)
+    joiner, _ = _config(str(path), **joiner_fields({}, current=1, new=2, initial=1))
     return config, joiner, source, random_prompts((5, 17, 40, 9, 23, 12), 256)
 
 
