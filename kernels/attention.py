@@ -10,16 +10,54 @@ block_size, num_kv_heads, head_dim]``; ``block_tables[b, i]`` is the cache block
 holding context tokens ``i*block_size .. (i+1)*block_size-1`` of sequence ``b``;
 ``slot_mapping[t] = block * block_size + offset`` is where new token ``t``'s K/V
 is written.
+
+Planning: a backend's attention planner (op ``attention_planner``, built from an
+:class:`AttentionShape`) turns a step's metadata into ``meta.plan`` once per step, before
+the forward, from the metadata's CPU page layout (:func:`page_layout`,
+:func:`step_layout`); every layer then reuses it. The torch planner here is a no-op.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from flotilla.kernels.registry import register
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one rank's attention layers look like (every layer alike); attention
+    planners size their kernels and buffers from it.
+
+    Attributes:
+        num_q_heads: query heads on this rank.
+        num_kv_heads: KV heads on this rank (MLA: 1, the shared latent).
+        head_dim: query/key head dim (MLA: ``kv_lora_rank + qk_rope_head_dim``).
+        head_dim_v: value/output head dim (MLA: ``kv_lora_rank``, the latent output).
+        scale: the softmax scale the model passes to attention.
+        sliding_window: tokens a query sees, itself included (None: the whole context).
+        dtype: activation and KV-cache dtype.
+        kv_lora_rank: > 0 for multi-head latent attention (DeepSeek MLA).
+        qk_rope_head_dim: MLA's rotary key dim (0 otherwise).
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    sliding_window: int | None
+    dtype: torch.dtype
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 @dataclass
@@ -34,6 +72,18 @@ class AttentionMetadata:
         max_query_len: the largest new-token count in the batch.
         max_seq_len: the largest ``seq_lens`` entry.
         block_size: tokens per cache block.
+        page_indptr: optional ``[B+1]`` int32 CPU cumulative cache-block counts per sequence
+            (the CSR form of ``block_tables``; see :func:`page_layout`).
+        page_indices: optional ``[page_indptr[-1]]`` int32 CPU blocks of every sequence in order.
+        last_page_len: optional ``[B]`` int32 CPU tokens in each sequence's last block
+            (``1..block_size``).
+        query_start_cpu: optional ``[B+1]`` int32 CPU copy of ``query_start``.
+        seq_lens_cpu: optional ``[B]`` int32 CPU copy of ``seq_lens``.
+        plan: the attention backend's per-step state, set by its planner's ``plan(meta)``
+            once per step and read by every layer (None for the torch backend).
+
+    The CPU fields let a planner build kernel plans without reading the device tensors
+    back (no host sync); the torch backend ignores them.
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +93,12 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    page_indptr: torch.Tensor | None = None
+    page_indices: torch.Tensor | None = None
+    last_page_len: torch.Tensor | None = None
+    query_start_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+    plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -160,8 +216,9 @@ def paged_attention(
     # NOTE: a decode's one new token is the last of its context, so causality is just validity.
     mask = valid.unsqueeze(1) if meta.is_decode else causal_context_mask(meta)  # [B, Q, L]
     if sliding_window is not None:
-        q_pos = (meta.seq_lens - meta.query_lens).unsqueeze(1) + torch.arange(meta.max_query_len).unsqueeze(0)
-        k_pos = torch.arange(meta.max_seq_len)
+        device = meta.seq_lens.device
+        q_pos = (meta.seq_lens - meta.query_lens).unsqueeze(1) + torch.arange(meta.max_query_len, device=device).unsqueeze(0)
+        k_pos = torch.arange(meta.max_seq_len, device=device)
         mask &= k_pos.view(1, 1, -1) > (q_pos.unsqueeze(2) - sliding_window)
     queries = pad_queries(q, meta).transpose(1, 2)  # [B, Hq, Q, D]
     keys = keys.transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
@@ -171,3 +228,125 @@ def paged_attention(
         queries, keys, values, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     return unpad_queries(out.transpose(1, 2), meta)
+
+
+def page_layout(
+    seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CSR page layout of a step, as int32 CPU tensors ``(page_indptr[B+1],
+    page_indices[sum], last_page_len[B])``, from plain lists: sequence ``b`` spans its
+    first ``ceil(seq_lens[b] / block_size)`` blocks of ``block_tables[b]`` (extra entries,
+    e.g. padding, are ignored). Fills :class:`AttentionMetadata`'s optional CPU fields."""
+    indptr, indices, last = [0], [], []
+    for b, (seq_len, blocks) in enumerate(zip(seq_lens, block_tables, strict=True)):
+        if seq_len < 1:
+            raise ValueError(f"sequence {b} has seq_len={seq_len}; every scheduled sequence holds >= 1 token")
+        pages = -(-seq_len // block_size)
+        if len(blocks) < pages:
+            raise ValueError(
+                f"sequence {b} (seq_len={seq_len}, block_size={block_size}) needs {pages} blocks, "
+                f"its block table has {len(blocks)}"
+            )
+        indices.extend(blocks[:pages])
+        indptr.append(indptr[-1] + pages)
+        last.append(seq_len - (pages - 1) * block_size)
+    return tuple(torch.tensor(xs, dtype=torch.int32) for xs in (indptr, indices, last))
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """A step's CSR page layout as int32 CPU tensors (possibly padded to a graph batch).
+
+    Attributes:
+        query_start: ``[B+1]`` cumulative new-token counts.
+        page_indptr: ``[B+1]`` cumulative cache-block counts.
+        page_indices: ``[page_indptr[-1]]`` blocks of every sequence in order.
+        last_page_len: ``[B]`` tokens in each sequence's last block.
+        seq_lens: ``[B]`` context lengths.
+    """
+
+    query_start: torch.Tensor
+    page_indptr: torch.Tensor
+    page_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.last_page_len.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start[-1])
+
+
+def step_layout(meta: AttentionMetadata, pad_to: int | None = None, padding_page: int = 0) -> StepLayout:
+    """The CPU page layout of ``meta`` (its optional CPU fields, which the runner fills).
+
+    With ``pad_to``, sequences are appended up to ``pad_to``, each one token long in the
+    single block ``padding_page`` (read only; the padded rows' outputs are discarded).
+    Raises ValueError when a CPU field is missing or the batch exceeds ``pad_to``.
+    """
+    fields = ("query_start_cpu", "page_indptr", "page_indices", "last_page_len", "seq_lens_cpu")
+    missing = [name for name in fields if getattr(meta, name) is None]
+    if missing:
+        raise ValueError(
+            f"this attention planner needs AttentionMetadata's CPU page layout; missing {missing} "
+            "(fill them in prepare_inputs, e.g. with page_layout)"
+        )
+    on_device = [name for name in fields if getattr(meta, name).device.type != "cpu"]
+    if on_device:
+        raise ValueError(f"AttentionMetadata fields {on_device} must be CPU tensors (planning must not read the GPU back)")
+    layout = StepLayout(
+        meta.query_start_cpu.to(torch.int32),
+        meta.page_indptr.to(torch.int32),
+        meta.page_indices.to(torch.int32),
+        meta.last_page_len.to(torch.int32),
+        meta.seq_lens_cpu.to(torch.int32),
+    )
+    if layout.num_seqs != meta.num_seqs or layout.page_indptr.shape[0] != meta.num_seqs + 1:
+        raise ValueError(
+            f"AttentionMetadata describes {meta.num_seqs} sequences but its CPU page layout "
+            f"{layout.num_seqs} (last_page_len) / {layout.page_indptr.shape[0] - 1} (page_indptr)"
+        )
+    if pad_to is None or pad_to == layout.num_seqs:
+        return layout
+    extra = pad_to - layout.num_seqs
+    if extra < 0:
+        raise ValueError(f"a batch of {layout.num_seqs} sequences does not fit graph_batch_size={pad_to}")
+    steps = torch.arange(1, extra + 1, dtype=torch.int32)
+    ones = torch.ones(extra, dtype=torch.int32)
+    return StepLayout(
+        torch.cat([layout.query_start, layout.query_start[-1] + steps]),
+        torch.cat([layout.page_indptr, layout.page_indptr[-1] + steps]),
+        torch.cat([layout.page_indices, torch.full((extra,), padding_page, dtype=torch.int32)]),
+        torch.cat([layout.last_page_len, ones]),
+        torch.cat([layout.seq_lens, ones]),
+    )
+
+
+@register("attention_planner", "torch")
+class TorchAttentionPlanner:
+    """The torch backend's attention planner: a no-op (the reference recomputes its
+    masks from the device metadata every call), so ``meta.plan`` stays None.
+
+    Same constructor as every attention planner: ``(shape, device, *, block_size,
+    max_num_seqs, max_num_pages, graph_batch_sizes=())``.
+    """
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        device: torch.device | str,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_pages: int,
+        graph_batch_sizes: Sequence[int] = (),
+    ) -> None:
+        self.shape, self.device, self.block_size = shape, torch.device(device), block_size
+        self.graph_batch_sizes = tuple(sorted(set(graph_batch_sizes)))
+
+    def plan(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
+        """Set ``meta.plan`` for this step: None (nothing to plan)."""
+        meta.plan = None

@@ -18,6 +18,14 @@ _REGISTRY: dict[tuple[str, str], Callable] = {}
 # libraries only when selected).
 _BACKEND_MODULES = {
     "torch": ("flotilla.kernels.torch_ops",),
+    # NOTE: flashinfer_ops first: it sets flashinfer's environment before the library's first import.
+    "flashinfer": (
+        "flotilla.kernels.flashinfer_ops",
+        "flotilla.kernels.flashinfer_attention",
+        "flotilla.kernels.flashinfer_mla",
+    ),
+    "triton": ("flotilla.kernels.triton_moe",),
+    "deep_gemm": ("deep_gemm", "flotilla.kernels.fp8"),
 }
 
 

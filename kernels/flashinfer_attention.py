@@ -1,0 +1,314 @@
+"""flashinfer paged attention (MHA/GQA/MQA): the per-step planner and the
+``paged_attention`` backend.
+
+Plans are built once per step from the metadata's CPU page layout (no host sync) and
+reused by every layer:
+
+- a step with any ``query_len > 1`` (prefill chunks, possibly mixed with decodes) runs
+  flashinfer's paged prefill wrapper, causal, with the FA3 (Hopper) kernels on SM90 for
+  head dims FA3 instantiates (64/128/256) and flashinfer's own choice elsewhere;
+- a pure decode step runs the paged decode wrapper; with ``graph_batch_size`` it runs that
+  size's CUDA-graph decode wrapper, whose index buffers are fixed (``plan`` rewrites them,
+  OUTSIDE capture/replay, before each replay).
+
+Decode uses tensor cores (flashinfer's prefill kernels applied to one query row per
+sequence) when a KV head serves at least 4 query heads: the group's rows then fill an
+MMA tile, which beats the CUDA-core decode kernel; below that the CUDA-core kernel wins
+and compiles faster.
+
+One float workspace per planner is shared by all its wrappers: it is per-launch scratch
+(split-KV partial outputs and their merge), holds nothing between ``plan`` and ``run``,
+and the wrappers run one after another on one stream. Each wrapper keeps its own integer
+workspace (the plan itself). The CUDA-graph wrappers also share one page-index buffer:
+only the size about to be replayed is planned into it.
+
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` ("NHD"), K and V in
+separate tensors of identical strides. Sliding windows use flashinfer's inclusive
+``window_left = sliding_window - 1``: a query at position p sees keys in
+``[p - sliding_window + 1, p]``, as the torch reference's ``k > p - sliding_window``.
+
+This module imports flashinfer at import time: the kernel registry imports it only when
+the ``flashinfer`` backend is asked for, and turns an ImportError into its clear
+"not available on this machine" error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+try:
+    import flashinfer
+    from flashinfer.utils import is_fa3_prefill_head_dim_supported, is_sm90a_supported
+except Exception as exc:  # NOTE: CUDA library failures surface as OSError/RuntimeError; the registry expects ImportError
+    raise ImportError(f"flashinfer cannot be imported: {exc!r}") from exc
+
+from flotilla.kernels.attention import AttentionMetadata, AttentionShape, StepLayout, step_layout, write_kv
+from flotilla.kernels.registry import register
+
+# Float workspace per planner: split-KV partial outputs of the largest decode/prefill plans
+# (flashinfer suggests 128 MiB; large graph batches of many heads can need more).
+WORKSPACE_BYTES = 256 << 20
+# A KV head serving this many query heads or more decodes on tensor cores.
+TENSOR_CORE_MIN_GROUP = 4
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class FlashInferStepPlan:
+    """``meta.plan`` for flashinfer attention: the planned wrapper and what it was planned for.
+
+    Attributes:
+        wrapper: a planned flashinfer prefill or decode wrapper (or MLA wrapper).
+        num_tokens: query rows every ``run`` of this step must pass.
+        scale: the planned softmax scale.
+        sliding_window: the planned window (None: whole context).
+        kind: ``"prefill"``, ``"decode"``, ``"graph-decode"`` or ``"mla"`` (diagnostics).
+    """
+
+    wrapper: Any
+    num_tokens: int
+    scale: float
+    sliding_window: int | None
+    kind: str
+
+    def check(self, num_tokens: int, scale: float, sliding_window: int | None) -> None:
+        """ValueError unless a layer's call matches the plan (Python values only: no sync)."""
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"attention got {num_tokens} query tokens, the step's {self.kind} plan has {self.num_tokens}")
+        if not math.isclose(scale, self.scale, rel_tol=1e-6) or sliding_window != self.sliding_window:
+            raise ValueError(
+                f"attention called with scale={scale}, sliding_window={sliding_window}; the planner's "
+                f"AttentionShape says scale={self.scale}, sliding_window={self.sliding_window}"
+            )
+
+
+def require_plan(meta: AttentionMetadata) -> FlashInferStepPlan:
+    """``meta.plan``, or a ValueError saying the planner was not run for this step."""
+    if not isinstance(meta.plan, FlashInferStepPlan):
+        raise ValueError(
+            f"flashinfer attention needs meta.plan from the flashinfer attention planner (got {type(meta.plan).__name__}); "
+            "call planner.plan(meta) once per step before the forward"
+        )
+    return meta.plan
+
+
+def check_graph_sizes(graph_batch_sizes: Sequence[int]) -> tuple[int, ...]:
+    """The sorted distinct graph batch sizes; ValueError on a non-positive one."""
+    sizes = tuple(sorted(set(int(b) for b in graph_batch_sizes)))
+    if sizes and sizes[0] < 1:
+        raise ValueError(f"graph_batch_sizes must be positive, got {list(graph_batch_sizes)}")
+    return sizes
+
+
+class FlashInferAttentionPlanner:
+    """Plans flashinfer paged attention once per step (see the module docstring).
+
+    Args:
+        shape: the rank's attention shape (not MLA).
+        device: the CUDA device.
+        block_size: tokens per cache block (flashinfer's page size).
+        max_num_seqs: the most sequences in one step.
+        max_num_pages: the most cache blocks one step references in total (summed over
+            its sequences; a block shared through the prefix cache counts per sequence):
+            sizes the CUDA-graph page-index buffer.
+        graph_batch_sizes: decode batch sizes that get a CUDA-graph wrapper.
+        workspace_bytes: the shared float workspace.
+        padding_page: the block that padding sequences of a graph batch read (read only).
+    """
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        device: torch.device | str,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_pages: int,
+        graph_batch_sizes: Sequence[int] = (),
+        workspace_bytes: int = WORKSPACE_BYTES,
+        padding_page: int = 0,
+    ) -> None:
+        _check_shape(shape)
+        self.shape, self.device = shape, torch.device(device)
+        self.block_size, self.max_num_seqs, self.max_num_pages = block_size, max_num_seqs, max_num_pages
+        self.padding_page = padding_page
+        self.window_left = -1 if shape.sliding_window is None else shape.sliding_window - 1
+        self.use_tensor_cores = shape.num_q_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        fa3 = is_sm90a_supported(self.device) and is_fa3_prefill_head_dim_supported(shape.head_dim, shape.head_dim_v)
+        self.prefill_backend = "fa3" if fa3 else "auto"
+        # NOTE: flashinfer requires the float workspace zeroed before its first use.
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_backend)
+        # NOTE: decode pins fa2 (its CUDA-core kernel, or fa2 prefill kernels on tensor cores) so
+        # "auto" never reroutes a plan (e.g. to cuDNN on other GPUs) between capture and replay.
+        self._decode = self._decode_wrapper()
+        self.graph_batch_sizes = check_graph_sizes(graph_batch_sizes)
+        self._graph_indices = None
+        self._graph_decode: dict[int, Any] = {}
+        if self.graph_batch_sizes:
+            # NOTE: padding sequences add one page each, beyond the real batch's max_num_pages.
+            capacity = max_num_pages + self.graph_batch_sizes[-1]
+            self._graph_indices = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+            for size in self.graph_batch_sizes:
+                self._graph_decode[size] = self._decode_wrapper(
+                    paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
+                    paged_kv_indices_buffer=self._graph_indices,
+                    paged_kv_last_page_len_buffer=torch.ones(size, dtype=torch.int32, device=self.device),
+                )
+
+    def _decode_wrapper(self, **graph_buffers: torch.Tensor):
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=bool(graph_buffers),
+            use_tensor_cores=self.use_tensor_cores,
+            backend="fa2",
+            **graph_buffers,
+        )
+
+    def plan(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
+        """Set ``meta.plan`` for this step (None for an empty step).
+
+        With ``graph_batch_size`` (a pure decode step about to replay that size's graph),
+        plans the size's CUDA-graph wrapper, padding the batch to the size. Call outside
+        graph capture and replay. NOTE: flashinfer stages each plan through a pinned host
+        buffer per wrapper; re-planning a wrapper assumes the previous step's copy has
+        run, which the engine's per-step read-back of sampled tokens guarantees.
+        """
+        shape = self.shape
+        common = dict(q_data_type=shape.dtype, kv_data_type=shape.dtype, o_data_type=shape.dtype)
+        if graph_batch_size is not None:
+            wrapper = self._graph_decode.get(graph_batch_size)
+            if wrapper is None:
+                raise ValueError(f"no CUDA-graph decode wrapper for graph_batch_size={graph_batch_size} (have {self.graph_batch_sizes})")
+            if not meta.is_decode:
+                raise ValueError(f"graph_batch_size={graph_batch_size} needs a pure decode step (max_query_len={meta.max_query_len})")
+            layout = step_layout(meta, pad_to=graph_batch_size, padding_page=self.padding_page)
+            if layout.page_indices.shape[0] > self._graph_indices.shape[0]:
+                raise ValueError(
+                    f"the step references {layout.page_indices.shape[0]} cache blocks; the CUDA-graph buffers hold "
+                    f"{self._graph_indices.shape[0]} (max_num_pages={self.max_num_pages} plus padding)"
+                )
+            # NOTE: a device-side source lets flashinfer copy the indices into its fixed buffer
+            # without the host sync a blocking CPU->GPU copy makes.
+            indices = layout.page_indices.to(self.device, non_blocking=True)
+            self._plan_decode(wrapper, layout, indices, common)
+            meta.plan = FlashInferStepPlan(wrapper, graph_batch_size, shape.scale, shape.sliding_window, "graph-decode")
+            return
+        layout = step_layout(meta)
+        if layout.num_seqs == 0:
+            meta.plan = None
+            return
+        if meta.is_decode:
+            self._plan_decode(self._decode, layout, layout.page_indices, common)
+            meta.plan = FlashInferStepPlan(self._decode, layout.num_tokens, shape.scale, shape.sliding_window, "decode")
+            return
+        self._prefill.plan(
+            layout.query_start,
+            layout.page_indptr,
+            layout.page_indices,
+            layout.last_page_len,
+            shape.num_q_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            self.block_size,
+            head_dim_vo=shape.head_dim_v,
+            causal=True,
+            sm_scale=shape.scale,
+            window_left=self.window_left,
+            **common,
+        )
+        meta.plan = FlashInferStepPlan(self._prefill, layout.num_tokens, shape.scale, shape.sliding_window, "prefill")
+
+    def _plan_decode(self, wrapper, layout: StepLayout, indices: torch.Tensor, common: dict) -> None:
+        shape = self.shape
+        wrapper.plan(
+            layout.page_indptr,
+            indices,
+            layout.last_page_len,
+            shape.num_q_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            self.block_size,
+            window_left=self.window_left,
+            sm_scale=shape.scale,
+            **common,
+        )
+
+
+def _check_shape(shape: AttentionShape) -> None:
+    if shape.is_mla:
+        raise ValueError("FlashInferAttentionPlanner plans MHA/GQA; an MLA shape (kv_lora_rank > 0) needs FlashInferMLAPlanner")
+    if shape.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flashinfer attention runs bfloat16/float16, got dtype={shape.dtype}; use the torch backend")
+    if shape.num_kv_heads < 1 or shape.num_q_heads % shape.num_kv_heads:
+        raise ValueError(f"num_q_heads={shape.num_q_heads} must be a multiple of num_kv_heads={shape.num_kv_heads}")
+    if shape.head_dim != shape.head_dim_v or shape.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"flashinfer attention here supports head_dim == head_dim_v in {SUPPORTED_HEAD_DIMS}, "
+            f"got head_dim={shape.head_dim}, head_dim_v={shape.head_dim_v}; use the torch backend"
+        )
+    if shape.sliding_window is not None and shape.sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {shape.sliding_window}")
+
+
+@register("attention_planner", "flashinfer")
+def flashinfer_attention_planner(
+    shape: AttentionShape,
+    device: torch.device | str,
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_pages: int,
+    graph_batch_sizes: Sequence[int] = (),
+    **options: Any,
+):
+    """The flashinfer planner for ``shape``: :class:`FlashInferAttentionPlanner`, or
+    :class:`~flotilla.kernels.flashinfer_mla.FlashInferMLAPlanner` for an MLA shape.
+    ``options`` (``workspace_bytes``, ``padding_page``) pass through."""
+    if shape.is_mla:
+        from flotilla.kernels.flashinfer_mla import FlashInferMLAPlanner
+
+        planner_class = FlashInferMLAPlanner
+    else:
+        planner_class = FlashInferAttentionPlanner
+    return planner_class(
+        shape,
+        device,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_pages=max_num_pages,
+        graph_batch_sizes=graph_batch_sizes,
+        **options,
+    )
+
+
+@register("paged_attention", "flashinfer")
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The torch reference's contract (``kernels.attention.paged_attention``) on flashinfer:
+    writes the new K/V at ``meta.slot_mapping``, then runs the step's plan (``meta.plan``,
+    whose ``scale``/``sliding_window`` must match). ``q[T, Hq, D]``, ``k``/``v[T, Hkv, D]``;
+    returns ``[T, Hq, D]``, ``[0, Hq, D]`` for an empty batch. CUDA-graph capturable for
+    decode: no host sync, no value-dependent allocation (every slot must be a real cache
+    slot, padding rows included)."""
+    if q.shape[0] == 0:
+        return q.new_empty(0, q.shape[1], v.shape[-1])
+    plan = require_plan(meta)
+    plan.check(q.shape[0], scale, sliding_window)
+    write_kv(k_cache, meta.slot_mapping, k)
+    write_kv(v_cache, meta.slot_mapping, v)
+    return plan.wrapper.run(q if q.is_contiguous() else q.contiguous(), (k_cache, v_cache))

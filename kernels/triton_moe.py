@@ -1,0 +1,653 @@
+"""Fused mixture-of-experts in Triton: the ``triton`` backend of op ``fused_moe``.
+
+Same signature and meaning as the torch reference (:func:`flotilla.kernels.moe.fused_moe`):
+``w13[E_local, 2I, H]`` (gate rows, then up rows), ``w2[E_local, H, I]``, ``topk_ids[T, k]``
+global ids mapped through ``expert_map`` (``-1``: another rank computes that pair).
+
+How it runs (five launches, no host synchronisation, so it can be captured in a CUDA graph):
+
+1. ``torch.zeros`` of the per-expert counters (a memset).
+2. ``_route_kernel`` (one program): each (token, k) pair ("route") gets its local expert and
+   its rank inside that expert (atomics); per-expert row counts are padded up to ``BLOCK_M``
+   and laid out back to back, so every ``BLOCK_M`` block of the sorted row list belongs to one
+   expert (``block_expert``; ``-1`` past the end). ``sorted_route[row]`` names the route a row
+   computes, or ``num_routes`` for padding rows.
+3. ``_gate_up_kernel``: per (row block, column tile) the gathered tokens times the block's
+   expert's gate and up rows, then ``act(gate) * up`` into ``inter[rows, I]``.
+4. ``_down_kernel``: ``inter`` times the expert's down projection, scaled by each route's
+   routing weight, written per route into ``routed[T*k, H]`` (float32).
+5. ``_sum_routes_kernel``: ``out[t] = sum_j routed[t*k + j]`` over the routes computed here.
+
+Buffers are sized from host integers only (``T*k + min(E, T*k) * (BLOCK_M - 1)`` rows, the
+most that padding can need), so the launch grid is fixed for a given batch size; blocks past
+the routed rows exit at once. Block sizes come from a small table keyed by the expected rows
+per active expert (decode is memory-bound: small ``BLOCK_M``, narrow ``BLOCK_N`` for many
+programs streaming weights; large batches get compute-sized tiles).
+
+Also here, for block-quantized FP8 checkpoints (weight-only FP8: float8 weights widened in
+registers, each tile's product scaled by its 128x128 block scale; activations unquantized):
+op ``fp8_grouped_moe`` (the same two expert kernels) and op ``fp8_block_linear`` (a dense
+kernel). Both are correct against the float32 reference to bfloat16 rounding; the dense one is
+not yet faster than bfloat16 cuBLAS (see ``_LINEAR_CONFIGS``).
+
+Importing this module imports Triton: the registry imports it only when the ``triton``
+backend is asked for, so a machine without Triton gets the registry's "not available" error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flotilla.kernels.fp8 import _check_scales
+from flotilla.kernels.registry import register
+
+_ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+_ROUTE_CHUNK = 1024  # routes handled per step of the routing program's loops
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes of one fused-MoE call (``*_1``: gate/up kernel, ``*_2``: down kernel)."""
+
+    block_m: int
+    block_n_1: int
+    block_k_1: int
+    warps_1: int
+    stages_1: int
+    block_n_2: int
+    block_k_2: int
+    warps_2: int
+    stages_2: int
+
+
+# Keyed by the largest expected rows per active expert each entry serves (ascending).
+# NOTE: decode (1-16 rows per expert) is bound by reading each active expert's weights once:
+# many narrow programs keep every SM streaming. Tune with /tmp/brief/warm_C.py on the GPU.
+# Measured on H200 at the Qwen3-30B-A3B shape (H 2048, I 768, 128 experts, top-8, CUDA graph):
+# batch 1 ~35 us/call (75.5 MB of weights, ~2.6 TB/s in the two GEMM kernels), batch 256
+# ~331 us/call (1.2 GB, ~3.6 TB/s). Tiles must divide 128 for the FP8 path (scale blocks).
+CONFIGS: list[tuple[int, MoEConfig]] = [
+    (8, MoEConfig(16, 64, 128, 4, 4, 64, 128, 4, 4)),
+    (48, MoEConfig(32, 64, 128, 4, 4, 64, 128, 4, 4)),
+    (96, MoEConfig(64, 64, 64, 4, 4, 128, 64, 4, 4)),
+    (1 << 62, MoEConfig(128, 64, 64, 8, 3, 128, 64, 8, 3)),
+]
+
+
+def pick_config(num_routes: int, num_local_experts: int) -> MoEConfig:
+    """The table entry for ``num_routes`` (token, expert) pairs over ``num_local_experts``."""
+    rows_per_expert = num_routes / max(1, min(num_local_experts, num_routes))
+    for limit, config in CONFIGS:
+        if rows_per_expert <= limit:
+            return config
+    return CONFIGS[-1][1]
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _route_kernel(
+    topk_ids_ptr,
+    expert_map_ptr,
+    counts_ptr,
+    starts_ptr,
+    route_rank_ptr,
+    route_expert_ptr,
+    sorted_route_ptr,
+    block_expert_ptr,
+    num_routes,
+    num_local,
+    max_rows,
+    max_blocks,
+    HAS_MAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    B_CHUNK: tl.constexpr,
+):
+    offs = tl.arange(0, CHUNK)
+    # Phase 1: each route's local expert (-1 when not held here) and its rank in that expert.
+    for start in range(0, num_routes, CHUNK):
+        r = start + offs
+        in_range = r < num_routes
+        ids = tl.load(topk_ids_ptr + r, mask=in_range, other=0)
+        if HAS_MAP:
+            local = tl.load(expert_map_ptr + ids, mask=in_range, other=-1).to(tl.int32)
+        else:
+            local = ids.to(tl.int32)
+        valid = in_range & (local >= 0) & (local < num_local)
+        local = tl.where(valid, local, -1)
+        rank = tl.atomic_add(counts_ptr + tl.where(valid, local, 0), 1, mask=valid)
+        tl.store(route_rank_ptr + r, rank, mask=valid)
+        tl.store(route_expert_ptr + r, local, mask=in_range)
+    # NOTE: one program, so a barrier orders phase 1's writes before the reads below
+    # (volatile loads skip L1; the atomics completed before their results were stored).
+    tl.debug_barrier()
+    # Phase 2: padded segment of each expert, the expert of every row block, sentinel rows.
+    e_offs = tl.arange(0, E_PAD)
+    e_ok = e_offs < num_local
+    counts = tl.load(counts_ptr + e_offs, mask=e_ok, other=0, volatile=True)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(starts_ptr + e_offs, ends - padded, mask=e_ok)
+    b_offs = tl.arange(0, B_CHUNK)
+    for b0 in range(0, max_blocks, B_CHUNK):
+        b = b0 + b_offs
+        first_row = b * BLOCK_M
+        # The expert of a row is the number of segments ending at or before it.
+        expert = tl.sum((first_row[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+        expert = tl.where(expert < num_local, expert, -1)
+        tl.store(block_expert_ptr + b, expert, mask=b < max_blocks)
+    for s0 in range(0, max_rows, CHUNK):
+        s = s0 + offs
+        tl.store(sorted_route_ptr + s, tl.zeros([CHUNK], dtype=tl.int32) + num_routes, mask=s < max_rows)
+    tl.debug_barrier()
+    # Phase 3: each route's row = its expert's segment start + its rank.
+    for start in range(0, num_routes, CHUNK):
+        r = start + offs
+        in_range = r < num_routes
+        local = tl.load(route_expert_ptr + r, mask=in_range, other=-1, volatile=True)
+        valid = local >= 0
+        rank = tl.load(route_rank_ptr + r, mask=valid, other=0, volatile=True)
+        seg_start = tl.load(starts_ptr + tl.where(valid, local, 0), mask=valid, other=0, volatile=True)
+        tl.store(sorted_route_ptr + seg_start + rank, r, mask=valid)
+
+
+@triton.jit
+def _activate(gate, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:  # silu
+        out = gate * tl.sigmoid(gate)
+    elif ACTIVATION == 1:  # exact (erf) gelu
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    else:  # tanh gelu; tanh(u) = 2 * sigmoid(2u) - 1
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner))
+    return out
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_route_ptr,
+    block_expert_ptr,
+    num_routes,
+    top_k,
+    H,
+    I,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    scale_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_FP8: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_route_ptr + rows)
+    row_ok = route < num_routes
+    # NOTE: padding rows read token 0 and columns past I read column 0 (no load masks);
+    # their results are never stored.
+    token = tl.where(row_ok, route // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
+    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    up_ptrs = gate_ptrs + I * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b_gate = tl.load(gate_ptrs)
+            b_up = tl.load(up_ptrs)
+        else:
+            k_ok = k0 + offs_k < H
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            b_gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+            b_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+        if W_FP8:
+            # NOTE: a tile lies inside one 128x128 scale block (BLOCK_N, BLOCK_K divide 128, I % 128 == 0).
+            s_base = scale_ptr + expert.to(tl.int64) * stride_se + (k0 // 128) * stride_sk
+            s_gate = tl.load(s_base + (pid_n * BLOCK_N // 128) * stride_sn)
+            s_up = tl.load(s_base + ((I + pid_n * BLOCK_N) // 128) * stride_sn)
+            acc_gate += tl.dot(a, b_gate.to(a.dtype)) * s_gate
+            acc_up += tl.dot(a, b_up.to(a.dtype)) * s_up
+        else:
+            acc_gate = tl.dot(a, b_gate, acc_gate)
+            acc_up = tl.dot(a, b_up, acc_up)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    h = _activate(acc_gate, ACTIVATION) * acc_up
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    sorted_route_ptr,
+    block_expert_ptr,
+    num_routes,
+    H,
+    I,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    scale_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_FP8: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(sorted_route_ptr + rows)
+    row_ok = route < num_routes
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    # NOTE: padding rows of `inter` were never written; rows are independent in the product
+    # and those rows are not stored, so whatever they hold cannot reach the output.
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_ok = k0 + offs_k < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if W_FP8:
+            scale = tl.load(
+                scale_ptr + expert.to(tl.int64) * stride_se + (pid_n * BLOCK_N // 128) * stride_sn + (k0 // 128) * stride_sk
+            )
+            acc += tl.dot(a, b.to(a.dtype)) * scale
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    weight = tl.load(topk_weights_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
+    y = acc * weight[:, None]
+    out_ptrs = out_ptr + route[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_routes_kernel(routed_ptr, route_expert_ptr, out_ptr, top_k, H, stride_rm, stride_ot, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, top_k):
+        route = token * top_k + j
+        held = tl.load(route_expert_ptr + route) >= 0
+        acc += tl.load(routed_ptr + route.to(tl.int64) * stride_rm + offs, mask=h_ok & held, other=0.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class Routing:
+    """Rows of one call sorted by expert (see the module docstring); all on the device."""
+
+    sorted_route: torch.Tensor  # [max_rows] int32: route of each row, num_routes = padding
+    block_expert: torch.Tensor  # [max_blocks] int32: local expert of each row block, -1 = none
+    route_expert: torch.Tensor  # [num_routes] int32: local expert of each route, -1 = not here
+    block_m: int
+
+
+def route(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None, block_m: int) -> Routing:
+    """Sort ``topk_ids[T, k]``'s routes by local expert into ``block_m``-padded segments."""
+    num_routes = topk_ids.numel()
+    device = topk_ids.device
+    max_rows = num_routes + min(num_local, num_routes) * (block_m - 1)
+    max_blocks = triton.cdiv(max_rows, block_m)
+    counts = torch.zeros(num_local, dtype=torch.int32, device=device)
+    starts = torch.empty(num_local, dtype=torch.int32, device=device)
+    route_rank = torch.empty(num_routes, dtype=torch.int32, device=device)
+    route_expert = torch.empty(num_routes, dtype=torch.int32, device=device)
+    sorted_route = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    e_pad = _next_pow2(num_local + 1)
+    ids = topk_ids.reshape(-1)
+    _route_kernel[(1,)](
+        ids,
+        expert_map if expert_map is not None else ids,
+        counts,
+        starts,
+        route_rank,
+        route_expert,
+        sorted_route,
+        block_expert,
+        num_routes,
+        num_local,
+        max_rows,
+        max_blocks,
+        HAS_MAP=expert_map is not None,
+        BLOCK_M=block_m,
+        CHUNK=_ROUTE_CHUNK,
+        E_PAD=e_pad,
+        B_CHUNK=max(16, 4096 // e_pad),
+        num_warps=8,
+    )
+    return Routing(sorted_route, block_expert, route_expert, block_m)
+
+
+def _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8=False) -> None:
+    if activation not in _ACTIVATION_CODES:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got activation={activation!r}")
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"the triton fused_moe runs bfloat16/float16 only, got hidden.dtype={hidden.dtype}; use the torch backend"
+        )
+    weight_dtype = torch.float8_e4m3fn if w_fp8 else hidden.dtype
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(f"expert weights must be {weight_dtype}, got w13={w13.dtype}, w2={w2.dtype}")
+    if w_fp8 and (w13.shape[1] // 2) % 128:
+        raise ValueError(f"FP8 experts need moe_intermediate_size % 128 == 0 (scale blocks), got {w13.shape[1] // 2}")
+    if not hidden.is_cuda:
+        raise ValueError(f"the triton fused_moe needs CUDA tensors, got hidden on {hidden.device}")
+    num_local, two_i, h = w13.shape
+    if hidden.dim() != 2 or hidden.shape[1] != h or two_i % 2 or w2.shape != (num_local, h, two_i // 2):
+        raise ValueError(
+            f"shapes do not fit: hidden={tuple(hidden.shape)}, w13={tuple(w13.shape)} (want [E, 2I, H]), "
+            f"w2={tuple(w2.shape)} (want [E, H, I])"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"topk_ids={tuple(topk_ids.shape)} and topk_weights={tuple(topk_weights.shape)} must both be [T, k] "
+            f"with T={hidden.shape[0]}"
+        )
+    if expert_map is not None and expert_map.dim() != 1:
+        raise ValueError(f"expert_map must be 1-D [E_global], got shape {tuple(expert_map.shape)}")
+
+
+@register("fused_moe", "triton")
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton fused MoE; the reference's arguments and result (see the module docstring).
+
+    CUDA-graph capturable: no host synchronisation, and the grids depend only on shapes.
+    Run it once before capture, so that Triton compiles outside the graph.
+    """
+    return fused_moe_with_config(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map)
+
+
+def fused_moe_with_config(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+    config: MoEConfig | None = None,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fused_moe` with the tiles given by ``config`` (None: :func:`pick_config`), for tuning.
+
+    With ``w13_scale_inv``/``w2_scale_inv`` the weights are block-quantized float8 (see
+    :func:`fp8_grouped_moe`)."""
+    w_fp8 = w13_scale_inv is not None
+    _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8)
+    num_tokens, top_k = topk_ids.shape
+    num_local, two_i, h = w13.shape
+    inter_size = two_i // 2
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    hidden = hidden.contiguous()
+    num_routes = num_tokens * top_k
+    cfg = config or pick_config(num_routes, num_local)
+    if w_fp8 and (128 % cfg.block_n_1 or 128 % cfg.block_k_1 or 128 % cfg.block_n_2 or 128 % cfg.block_k_2):
+        raise ValueError(f"FP8 experts need tiles dividing 128, got {cfg}")
+    s13 = w13_scale_inv.float().contiguous() if w_fp8 else w13  # unused pointer when not FP8
+    s2 = w2_scale_inv.float().contiguous() if w_fp8 else w2
+    routing = route(topk_ids, num_local, expert_map, cfg.block_m)
+    max_rows = routing.sorted_route.shape[0]
+    max_blocks = routing.block_expert.shape[0]
+
+    inter = torch.empty(max_rows, inter_size, dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(max_blocks, triton.cdiv(inter_size, cfg.block_n_1))](
+        hidden,
+        w13,
+        inter,
+        routing.sorted_route,
+        routing.block_expert,
+        num_routes,
+        top_k,
+        h,
+        inter_size,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        inter.stride(0),
+        s13,
+        s13.stride(0),
+        s13.stride(-2),
+        s13.stride(-1),
+        ACTIVATION=_ACTIVATION_CODES[activation],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n_1,
+        BLOCK_K=cfg.block_k_1,
+        EVEN_K=h % cfg.block_k_1 == 0,
+        W_FP8=w_fp8,
+        num_warps=cfg.warps_1,
+        num_stages=cfg.stages_1,
+    )
+
+    routed = torch.empty(num_routes, h, dtype=torch.float32, device=hidden.device)
+    weights = topk_weights.reshape(-1)
+    _down_kernel[(max_blocks, triton.cdiv(h, cfg.block_n_2))](
+        inter,
+        w2,
+        routed,
+        weights,
+        routing.sorted_route,
+        routing.block_expert,
+        num_routes,
+        h,
+        inter_size,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        routed.stride(0),
+        s2,
+        s2.stride(0),
+        s2.stride(-2),
+        s2.stride(-1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n_2,
+        BLOCK_K=cfg.block_k_2,
+        EVEN_K=inter_size % cfg.block_k_2 == 0,
+        W_FP8=w_fp8,
+        num_warps=cfg.warps_2,
+        num_stages=cfg.stages_2,
+    )
+
+    block_h = min(1024, _next_pow2(h))
+    _sum_routes_kernel[(num_tokens, triton.cdiv(h, block_h))](
+        routed, routing.route_expert, out, top_k, h, routed.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4
+    )
+    return out
+
+
+@register("fp8_grouped_moe", "triton")
+def fp8_grouped_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`~flotilla.kernels.fp8.fp8_grouped_moe` with the fused-MoE kernels reading float8
+    weights: each weight tile is widened to ``hidden.dtype`` in registers and its product
+    scaled by the tile's 128x128 block scale (weight-only FP8: activations are not
+    quantized, so the result matches the float32 reference to bfloat16 rounding; decode
+    reads half the bytes of bfloat16 experts). Needs ``moe_intermediate_size % 128 == 0``.
+    """
+    _check_scales(w13, w13_scale_inv, "w13")
+    _check_scales(w2, w2_scale_inv, "w2")
+    return fused_moe_with_config(
+        hidden, w13, w2, topk_weights, topk_ids, activation, expert_map,
+        w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv,
+    )
+
+
+# --------------------------------------------------------------------------- dense FP8 linear
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    s_ptr = scale_ptr + (pid_n * BLOCK_N // 128) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_ok = k0 + offs_k < K
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc += tl.dot(a, b.to(a.dtype)) * tl.load(s_ptr + k0 // 128)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# (largest M served, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)); tiles divide 128.
+# NOTE: measured on H200 at N 4096, K 7168: M=1 ~33 us, M=128 ~47 us: correct but about 2x
+# slower than cuBLAS on the same weight in bfloat16 (18.5 / 21.6 us); a split-K or wider-K
+# kernel is the next step before it pays for decode.
+_LINEAR_CONFIGS = [(16, (16, 32, 128, 4, 4)), (256, (64, 32, 128, 4, 4)), (1 << 62, (128, 64, 64, 8, 3))]
+
+
+@register("fp8_block_linear", "triton")
+def fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`~flotilla.kernels.fp8.fp8_block_linear` reading the float8 weight directly
+    (weight-only FP8, activations in ``x.dtype``, bfloat16/float16). Capturable."""
+    return fp8_linear_with_config(x, weight, weight_scale_inv, bias)
+
+
+def fp8_linear_with_config(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_block_linear` with tiles ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`` (None:
+    the table), for tuning."""
+    _check_scales(weight, weight_scale_inv, "weight")
+    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+        raise ValueError(f"the triton fp8_block_linear needs bfloat16/float16 CUDA input, got {x.dtype} on {x.device}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight {tuple(weight.shape)} wants {k}")
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm, bn, bk, warps, stages = config or next(c for limit, c in _LINEAR_CONFIGS if m <= limit)
+        if 128 % bn or 128 % bk:
+            raise ValueError(f"FP8 tiles must divide 128 (scale blocks), got BLOCK_N={bn}, BLOCK_K={bk}")
+        scales = weight_scale_inv.float().contiguous()
+        weight = weight.contiguous()
+        _fp8_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x2, weight, scales, bias if bias is not None else scales, out, m, n, k,
+            x2.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+            num_warps=warps, num_stages=stages,
+        )
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,195 @@
+"""The Triton fused MoE (backend ``triton``) against the torch reference, on CUDA.
+
+Inputs and weights are bfloat16/float16 values; the oracle is the torch reference run on
+float32 copies of those same values, so every difference comes from the kernels' own
+roundings: the activated intermediate is rounded to the model dtype once (the reference in
+the model dtype rounds gate, up, their product and the down output), the output once.
+Both stay within ~2^-8 relative of the float32 result; the bounds below leave 2-4x room.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from flotilla.kernels import registry
+from flotilla.kernels.moe import fused_moe as torch_fused_moe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytest.importorskip("triton")
+
+REL_NORM_TOL = 1e-2  # ||got - want|| / ||want||
+ELEM_TOL = 2e-2  # |got - want| <= ELEM_TOL * (|want| + max|want| / 4)
+
+_WEIGHTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _triton_moe():
+    importlib.import_module("flotilla.kernels.triton_moe")  # registers the backend, whatever the registry table says
+    return registry.get("fused_moe", "triton")
+
+
+def _weights(experts, hidden, inter, dtype):
+    """Random expert weights scaled so activations stay O(1); cached per shape (they are large)."""
+    key = (experts, hidden, inter, dtype)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        gen = torch.Generator(device="cuda").manual_seed(experts * 7 + hidden + inter)
+        w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
+        w2 = torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
+        _WEIGHTS[key] = (w13.to(dtype), w2.to(dtype))
+    return _WEIGHTS[key]
+
+
+def _routing(tokens, experts, top_k, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def _compare(got, want, label):
+    """Assert ``got`` (model dtype) matches the float32 oracle ``want``; explain any miss."""
+    assert got.shape == want.shape and got.dtype != torch.float32, label
+    assert torch.isfinite(got).all(), f"{label}: non-finite output ({(~torch.isfinite(got)).sum().item()} values)"
+    diff = (got.float() - want).abs()
+    rel = (diff.norm() / want.norm().clamp(min=1e-12)).item()
+    bound = ELEM_TOL * (want.abs() + want.abs().max() / 4)
+    worst = (diff - bound).flatten().argmax().item()
+    row, col = divmod(worst, want.shape[1])
+    msg = (
+        f"{label}: rel_norm_err={rel:.2e} (tol {REL_NORM_TOL}), max_abs_err={diff.max().item():.3e}, "
+        f"max|want|={want.abs().max().item():.3e}; worst at token {row} column {col}: "
+        f"got {got[row, col].item():.5f} want {want[row, col].item():.5f}"
+    )
+    assert rel < REL_NORM_TOL and bool((diff <= bound).all()), msg
+
+
+def _oracle(hidden, w13, w2, weights, ids, activation="silu", expert_map=None):
+    return torch_fused_moe(hidden.float(), w13.float(), w2.float(), weights, ids, activation, expert_map)
+
+
+@pytest.mark.parametrize("hidden_size,inter", [(256, 128), (2048, 768)])
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("experts", [8, 64, 128])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300, 1024])
+def test_matches_reference_bf16(tokens, experts, top_k, hidden_size, inter):
+    w13, w2 = _weights(experts, hidden_size, inter, torch.bfloat16)
+    x = torch.randn(tokens, hidden_size, device="cuda").to(torch.bfloat16)
+    weights, ids = _routing(tokens, experts, top_k, seed=tokens + experts + top_k)
+    got = _triton_moe()(x, w13, w2, weights, ids)
+    _compare(got, _oracle(x, w13, w2, weights, ids), f"T={tokens} E={experts} k={top_k} H={hidden_size} I={inter}")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_fp16_and_activations(activation):
+    w13, w2 = _weights(8, 256, 128, torch.float16)
+    x = torch.randn(64, 256, device="cuda").half()
+    weights, ids = _routing(64, 8, 2, seed=5)
+    got = _triton_moe()(x, w13, w2, weights, ids, activation)
+    assert got.dtype == torch.float16
+    _compare(got, _oracle(x, w13, w2, weights, ids, activation), f"fp16 {activation}")
+
+
+def test_odd_sizes_mask_the_tails():
+    # H and I not multiples of any block size: the K loops' tails and the column tails.
+    w13, w2 = _weights(6, 200, 72, torch.bfloat16)
+    x = torch.randn(37, 200, device="cuda").bfloat16()
+    weights, ids = _routing(37, 6, 3, seed=9)
+    _compare(_triton_moe()(x, w13, w2, weights, ids), _oracle(x, w13, w2, weights, ids), "odd sizes")
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_expert_parallel_subset_and_replicas(tokens):
+    # 64 global slots, 16 held here in a scrambled order; two slots map to the same row
+    # (redundant copies of one expert share weights); the rest belong to other ranks.
+    global_slots, local = 64, 16
+    w13, w2 = _weights(local, 512, 256, torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    held = torch.randperm(global_slots, generator=gen)[: local + 1]
+    expert_map = torch.full((global_slots,), -1, dtype=torch.int64)
+    expert_map[held[:local]] = torch.randperm(local, generator=gen)
+    expert_map[held[local]] = expert_map[held[0]]
+    expert_map = expert_map.cuda()
+    x = torch.randn(tokens, 512, device="cuda").bfloat16()
+    weights, ids = _routing(tokens, global_slots, 8, seed=tokens)
+    got = _triton_moe()(x, w13, w2, weights, ids, "silu", expert_map)
+    _compare(got, _oracle(x, w13, w2, weights, ids, "silu", expert_map), f"EP T={tokens}")
+
+
+def test_no_local_routes_give_zeros_and_empty_batch():
+    w13, w2 = _weights(8, 256, 128, torch.bfloat16)
+    expert_map = torch.full((16,), -1, dtype=torch.int64, device="cuda")
+    expert_map[:8] = torch.arange(8, device="cuda")
+    x = torch.randn(5, 256, device="cuda").bfloat16()
+    weights, ids = _routing(5, 8, 2, seed=1)
+    got = _triton_moe()(x, w13, w2, weights, ids + 8, "silu", expert_map)  # all on another rank
+    assert torch.equal(got, torch.zeros_like(got)), got
+    empty = _triton_moe()(x[:0], w13, w2, weights[:0], ids[:0])
+    assert empty.shape == (0, 256)
+
+
+def test_routing_places_every_route_once():
+    from flotilla.kernels import triton_moe
+
+    tokens, top_k, experts, block_m = 300, 8, 64, 16
+    _, ids = _routing(tokens, experts, top_k, seed=11)
+    expert_map = torch.arange(experts, device="cuda")
+    expert_map[::5] = -1  # some experts live elsewhere
+    r = triton_moe.route(ids, experts, expert_map, block_m)
+    sorted_route = r.sorted_route.cpu()
+    block_expert = r.block_expert.cpu()
+    local = expert_map[ids.reshape(-1)].cpu()
+    real = sorted_route[sorted_route < ids.numel()]
+    assert sorted(real.tolist()) == sorted((local >= 0).nonzero().flatten().tolist())
+    for row, route in enumerate(sorted_route.tolist()):
+        if route < ids.numel():
+            assert block_expert[row // block_m] == local[route], (row, route)
+    assert torch.equal(r.route_expert.cpu(), local.to(torch.int32))
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_cuda_graph_capture_and_replay(batch):
+    moe = _triton_moe()
+    w13, w2 = _weights(64, 2048, 768, torch.bfloat16)
+    x = torch.randn(batch, 2048, device="cuda").bfloat16()
+    weights, ids = _routing(batch, 64, 8, seed=21)
+    moe(x, w13, w2, weights, ids)  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x, w13, w2, weights, ids)
+    for seed in (22, 23):  # new inputs in the captured buffers, then replay
+        new_weights, new_ids = _routing(batch, 64, 8, seed=seed)
+        x.copy_(torch.randn(batch, 2048, device="cuda").bfloat16())
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        _compare(out.clone(), _oracle(x, w13, w2, weights, ids), f"graph replay batch={batch} seed={seed}")
+
+
+# --------------------------------------------------------------------------- FP8 experts (weight-only)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden_size,inter,local", [
+    (1, 8, 2, 512, 256, 8), (64, 64, 8, 2048, 768, 64), (300, 128, 8, 2048, 768, 128), (37, 32, 4, 512, 256, 12),
+])
+def test_fp8_experts_match_dequantized_reference(tokens, experts, top_k, hidden_size, inter, local):
+    # Weight-only FP8: the weights are exact in both paths, so the bf16 tolerances apply.
+    from flotilla.kernels import fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens + experts)
+    w13 = torch.randn(local, 2 * inter, hidden_size, device="cuda", generator=gen) / hidden_size**0.5
+    w2 = torch.randn(local, hidden_size, inter, device="cuda", generator=gen) / inter**0.5
+    (w13_q, w13_s), (w2_q, w2_s) = fp8.quantize_block_fp8(w13), fp8.quantize_block_fp8(w2)
+    expert_map = None
+    if local < experts:
+        expert_map = torch.full((experts,), -1, dtype=torch.int64, device="cuda")
+        expert_map[torch.randperm(experts, device="cuda", generator=gen)[:local]] = torch.arange(local, device="cuda")
+    x = torch.randn(tokens, hidden_size, device="cuda", generator=gen).bfloat16()
+    weights, ids = _routing(tokens, experts, top_k, seed=tokens)
+    _triton_moe()  # registers the triton backend
+    got = registry.get("fp8_grouped_moe", "triton")(x, w13_q, w13_s, w2_q, w2_s, weights, ids, "silu", expert_map)
+    want = fp8.fp8_grouped_moe(x.float(), w13_q, w13_s, w2_q, w2_s, weights, ids, "silu", expert_map)
+    _compare(got, want, f"fp8 experts T={tokens} E={experts} k={top_k} H={hidden_size} I={inter} local={local}")
