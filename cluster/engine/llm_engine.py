@@ -29,7 +29,8 @@ import torch
 
 from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback
 from flotilla.cluster.engine.dp_scheduler import build_scheduler, can_grow_elastic_ep
-from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
+from flotilla.cluster.engine import model_runner
+from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner, max_num_seqs_for
 from flotilla.cluster.engine.outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput, StepLogprobs
 from flotilla.cluster.engine.request import Request, RequestStatus
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
@@ -38,8 +39,8 @@ from flotilla.cluster.engine.scheduler import SchedulerConfig
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.resolution import ModelFacts, ResolvedConfig
 
-# Requests running at once when --max-running-requests is not given.
-DEFAULT_MAX_RUNNING_REQUESTS = 256
+# Requests running at once when --max-running-requests is not given (see max_num_seqs_for).
+DEFAULT_MAX_RUNNING_REQUESTS = model_runner.DEFAULT_MAX_RUNNING_REQUESTS
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
@@ -56,7 +57,9 @@ def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> Scheduler
     budget = chunk if chunked else int(config.max_prefill_tokens or 16384)
     # NOTE: every running request decodes one token per step, so no more than the step
     # budget can run at once; a larger --max-running-requests is capped to it.
-    max_seqs = min(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS, budget)
+    max_seqs = max_num_seqs_for(config)
+    # NOTE: kv.num_blocks excludes the runner's scratch block (CUDA graphs), so the pool never
+    # hands it out.
     return SchedulerConfig(
         num_blocks=kv.num_blocks,
         block_size=kv.block_size,
@@ -518,15 +521,28 @@ class LLMEngine:
     # -- metrics ---------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Prefix-cache hit rate, preemptions, running/waiting counts and KV usage."""
+        """Prefix-cache hit rate, preemptions, running/waiting counts, KV usage, and the
+        runner's start-up seconds (``startup_load_s``, ``startup_kv_alloc_s``,
+        ``startup_warmup_s``, ``startup_graph_capture_s``; see :meth:`startup_report`)."""
         pool = self.scheduler.pool
-        return {
+        stats = {
             "prefix_cache_hit_rate": pool.hit_rate,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": pool.usage,
         }
+        for key, value in self.startup_report().items():
+            if key.endswith("_s"):
+                stats[f"startup_{key}"] = value
+        return stats
+
+    def startup_report(self) -> dict[str, Any]:
+        """The runner's start-up report (``ModelRunner.startup_report``: load, KV allocation,
+        warm-up and CUDA-graph capture seconds, captured decode batch sizes, kernel backends);
+        empty for a runner that keeps none (a Ray worker group)."""
+        report = getattr(self.runner, "startup_report", None)
+        return report() if report is not None else {}
 
 
 def _require_handoff_support(scheduler: Any) -> None:

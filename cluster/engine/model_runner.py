@@ -6,24 +6,37 @@ Per step the runner flattens the scheduled requests into a varlen batch
 pass, keeps the hidden state of the LAST new token of each request that samples
 this step (a partial prefill chunk samples nothing), projects only those rows to
 logits and hands them to the :class:`Sampler`.
+
+On CUDA the runner also picks the kernel backends at start
+(:mod:`flotilla.cluster.engine.kernel_backends`), plans attention once per step (the
+backend's ``attention_planner``) and replays captured CUDA graphs for pure decode steps
+(:mod:`flotilla.cluster.engine.cuda_graphs`); :meth:`ModelRunner.startup_report` says what
+start-up cost.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes
+from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
+from flotilla.cluster.engine.kernel_backends import has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv_attachable
+from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
-from flotilla.cluster.engine.scheduler import SchedulerOutput
+from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from flotilla.cluster.engine.weight_packing import pack_linear_layers
 from flotilla.cluster.eplb import ExpertPlacement
 from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.moe_layer import expert_placements, rewire_moe_layers
 from flotilla.cluster.models.expert_load import ExpertLoadRecorder, attach_load_recorder
-from flotilla.cluster.models.sources import ModelSource, load_model
+from flotilla.cluster.models.sources import ModelSource, load_model, resolve_dtype
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
 from flotilla.resolution import ResolvedConfig
@@ -33,9 +46,8 @@ DEFAULT_CPU_KV_TOKENS = 8192
 # Block size when the resolved page_size is 1 (a token-granular pool, which the
 # torch backend does not need): 16 tokens, vLLM's default.
 DEFAULT_BLOCK_SIZE = 16
-
-# Resolution names SGLang's attention backends; these run on the torch reference.
-_TORCH_ATTENTION_BACKENDS = {"torch_native", "torch", "intel_amx", "triton", "flex_attention"}
+# Requests running at once when --max-running-requests is not given.
+DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 @dataclass(frozen=True)
@@ -53,11 +65,16 @@ class KVCacheLayout:
     :mod:`flotilla.kernels.dcp`), ``num_blocks`` is the local pool's count, and
     ``bytes_per_token`` is what one rank stores per logical token: one cache row's bytes
     divided by ``dcp_size`` (rounded up).
+
+    ``scratch_block`` (CUDA kernel backends only, else None) is one more cache block, past the
+    ``num_blocks`` the scheduler hands out: padding rows of a CUDA-graph batch and the
+    start-up warm-up write and read there, never a request.
     """
 
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    scratch_block: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,16 +87,13 @@ def block_size_for(config: ResolvedConfig) -> int:
     return page_size if page_size > 1 else DEFAULT_BLOCK_SIZE
 
 
-def kernel_backend_for(config: ResolvedConfig) -> str:
-    """The kernel-registry backend for the resolved ``attention_backend``: the same name when a
-    backend of that name is registered, the torch reference for SGLang's CPU/torch backends."""
-    name = config.attention_backend or "torch_native"
-    if name in registry.backends("paged_attention"):
-        return name
-    if name in _TORCH_ATTENTION_BACKENDS or config.device == "cpu":
-        return "torch"
-    registry.get("paged_attention", name)  # raises the registry's "not available here" error
-    return name
+def max_num_seqs_for(config: ResolvedConfig) -> int:
+    """The most requests one step can hold: ``--max-running-requests`` (default 256), capped at
+    the step's token budget (every running request decodes one token per step). The scheduler
+    (``scheduler_config_for``) and the decode graphs use this one number."""
+    chunk = config.chunked_prefill_size
+    budget = chunk if chunk is not None and chunk > 0 else int(config.max_prefill_tokens or 16384)
+    return int(min(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS, budget))
 
 
 class ModelRunner:
@@ -105,14 +119,21 @@ class ModelRunner:
         parallel: ParallelLayout | None = None,
         expert_placements: Mapping[int, ExpertPlacement] | None = None,
     ):
+        started = time.perf_counter()
         self.config = config
         self.parallel = parallel or ParallelLayout()
         self.device = torch.device(config.device or "cpu")
+        dtype = resolve_dtype(config.dtype or "auto", source, self.device)
+        # NOTE: a backend this machine lacks fails here, before any weight is loaded.
+        self.backends = kernel_backends_for(config, dtype, moe_model=has_experts(source.config_dict))
+        load_kernel_backends(self.backends, registry)
         self.model = load_model(
             source,
-            config.dtype or "auto",
+            dtype,
             device=self.device,
-            attention_backend=kernel_backend_for(config),
+            attention_backend=self.backends.attention,
+            elementwise_backend=self.backends.elementwise,
+            moe_backend=self.backends.moe,
             parallel=self.parallel,
             load_format=config.load_format or "auto",
             num_redundant_experts=int(config.ep_num_redundant_experts or 0),
@@ -122,6 +143,8 @@ class ModelRunner:
             pack_linear_layers(self.model)
         self.load_recorder = self._make_load_recorder(config)
         self.vocab_size = int(source.config_dict["vocab_size"])
+        self._synchronize()
+        loaded = time.perf_counter()
         spec = self.model.kv_cache_spec()
         dcp_size = self.parallel.dcp_size
         if dcp_size > 1 and not any(getattr(m, "supports_dcp", False) for m in self.model.modules()):
@@ -132,17 +155,107 @@ class ModelRunner:
         block_size = block_size_for(config)  # per rank: the local block size under DCP
         row_bytes = spec.bytes_per_token()
         num_rows = self._kv_cache_tokens(row_bytes, dcp_size)
-        self.kv_layout = KVCacheLayout(
-            max(1, num_rows // block_size), block_size * dcp_size, -(-row_bytes // dcp_size)
+        max_num_seqs = max_num_seqs_for(config)
+        multi_rank = _multi_rank(self.parallel)
+        graph_sizes, self.graphs_off_reason = decode_graph_sizes(
+            config,
+            device=self.device,
+            attention_backend=self.backends.attention,
+            multi_rank=multi_rank,
+            elastic=can_grow_elastic_ep(config),
+            recording=self.load_recorder is not None,
+            moe_on_torch=self.backends.moe == "torch" and bool(self.expert_placements()),
+            max_num_seqs=max_num_seqs,
         )
+        num_blocks = max(1, num_rows // block_size)
+        # NOTE: the scratch block lies past the scheduler's num_blocks (one block above the budget).
+        scratch = num_blocks if self.device.type == "cuda" and self.backends.attention != "torch" else None
+        self.kv_layout = KVCacheLayout(num_blocks, block_size * dcp_size, -(-row_bytes // dcp_size), scratch)
         with torch.inference_mode():
-            self.kv_caches = spec.allocate(self.kv_layout.num_blocks, block_size, self.device)
+            self.kv_caches = spec.allocate(num_blocks + (scratch is not None), block_size, self.device)
+        self._synchronize()
+        allocated = time.perf_counter()
+        context = int(config.context_length or 0) or self.kv_layout.num_tokens
+        pages_per_seq = -(-min(context, self.kv_layout.num_tokens) // self.kv_layout.block_size)
+        # NOTE: a planner's padding rows read the scratch block (only graph planners pad).
+        padding = {"padding_page": scratch} if graph_sizes else {}
+        self.planner = registry.get("attention_planner", self.backends.attention)(
+            self.model.attention_shape(),
+            self.device,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            # NOTE: shared prefix blocks repeat across sequences, so a step's page lists can
+            # name more pages than the pool has: bound by sequences x pages per sequence.
+            max_num_pages=max_num_seqs * pages_per_seq,
+            graph_batch_sizes=graph_sizes,
+            **padding,
+        )
         generator = None
         if config.random_seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, backend=self.backends.sampling)
+        self._staging = _InputStaging(self.device)
         # This rank's KV endpoint for prefill/decode disaggregation (see kv_attach).
         self.kv_port = KVPort(self.parallel.tp_rank)
+        self.graphs: DecodeGraphs | None = None
+        # NOTE: no warm-up across ranks: its collectives would need every rank (an elastic EP
+        # joiner has no communicators yet); a group's kernels compile on its first step.
+        warmup_s = self._warm_up() if scratch is not None and not multi_rank else 0.0
+        if graph_sizes:
+            self.graphs = DecodeGraphs(
+                self._forward_logits,
+                self.planner,
+                batch_sizes=graph_sizes,
+                device=self.device,
+                block_size=block_size,
+                scratch_block=scratch,
+                max_seq_len=min(context, self.kv_layout.num_tokens),
+            )
+            self.graphs.capture()
+        self._startup = {
+            "load_s": loaded - started,
+            "kv_alloc_s": allocated - loaded,
+            "warmup_s": warmup_s,
+            "graph_capture_s": self.graphs.capture_s if self.graphs is not None else 0.0,
+            "graph_batch_sizes": list(graph_sizes),
+            "graphs_off_reason": self.graphs_off_reason,
+            "kernel_backends": self.backends.as_dict(),
+            "kv_blocks": num_blocks,
+        }
+
+    def startup_report(self) -> dict[str, Any]:
+        """What start-up cost and chose: ``load_s`` (weights, backends), ``kv_alloc_s``,
+        ``warmup_s`` (one eager prefill and a sample on the scratch block: kernel JIT and
+        library set-up land here, not in the first request), ``graph_capture_s``,
+        ``graph_batch_sizes`` (captured decode sizes; empty when off), ``graphs_off_reason``
+        (None when on), ``kernel_backends`` and ``kv_blocks``."""
+        return dict(self._startup)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _warm_up(self) -> float:
+        """One eager prefill of a few tokens on the scratch block and a sample of two rows (greedy,
+        and top-k/top-p/min-p through the sampling backend's kernels); returns the seconds it took.
+
+        NOTE: the sampled row draws from the engine's generator: with --random-seed the stream
+        is offset by the same draw at every start, so runs stay reproducible."""
+        started = time.perf_counter()
+        count = min(8, self.kv_layout.block_size)
+        request = Request("warm-up", [0] * count, max_tokens=1)
+        request.block_ids = [self.kv_layout.scratch_block]
+        logits = self.step_logits(SchedulerOutput([ScheduledRequest(request, count, 0)], [], count))
+        rows = [
+            SamplingRow(SamplingParams(temperature=0.0)),
+            SamplingRow(SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.01)),
+        ]
+        with torch.inference_mode():
+            self.sampler(logits.expand(2, -1).contiguous(), rows)
+        if self.load_recorder is not None:
+            self.load_recorder.reset()  # NOTE: the warm-up pass is no traffic
+        self._synchronize()
+        return time.perf_counter() - started
 
     def _make_load_recorder(self, config: ResolvedConfig) -> ExpertLoadRecorder | None:
         """One recorder on every MoE layer when the resolved recorder mode is ``stat``."""
@@ -208,25 +321,58 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Run one step; returns one token per scheduled request that samples (in schedule
         order), sampled with ``rows`` (one per such request, same order)."""
-        input_ids, positions, meta, sample_index = self.prepare_inputs(step)
-        hidden = self.forward(input_ids, positions, meta)
+        logits = self.step_logits(step)
         if not rows:
             return []
-        if len(rows) != sample_index.shape[0]:
-            raise ValueError(f"{len(rows)} sampling rows for {sample_index.shape[0]} sampling requests")
-        logits = self.model.compute_logits(hidden.index_select(0, sample_index))
+        if len(rows) != logits.shape[0]:
+            raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
         return self.sampler(logits, rows)
 
+    @torch.inference_mode()
+    def step_logits(self, step: SchedulerOutput) -> torch.Tensor:
+        """Run one step's forward; returns the float32 logits ``[N, V]`` of its ``N`` sampling
+        requests (schedule order; ``[0, V]`` when none samples, without running the LM head).
+
+        A pure decode step that fits a captured CUDA graph replays it (every row's logits,
+        valid until the next step); any other step runs eagerly (attention planned once, then
+        the forward)."""
+        input_ids, positions, meta, sample_index = self.prepare_inputs(step)
+        if self.graphs is not None:
+            logits = self.graphs.run(input_ids, positions, meta)
+            if logits is not None:
+                # NOTE: in a decode step the sampling rows are the first rows in order, so
+                # equal counts mean every row samples.
+                return logits if sample_index.shape[0] == logits.shape[0] else logits.index_select(0, sample_index)
+        hidden = self.forward(input_ids, positions, meta)
+        if sample_index.shape[0] == 0:
+            return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, sample_index))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One forward pass over the paged KV cache (counted as one pass by the load recorder)."""
+        """One eager forward pass over the paged KV cache (counted as one pass by the load
+        recorder); plans the step's attention first unless ``meta`` already carries a plan.
+
+        NOTE: under DCP the step is not planned: ``meta``'s page layout is the logical one
+        (blocks of ``dcp_size * local`` tokens) and DCP attention runs the torch reference
+        on each rank's shard (the flashinfer MLA backend delegates it)."""
+        if meta.plan is None and meta.num_seqs > 0 and self.parallel.dcp_size == 1:
+            self.planner.plan(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if self.load_recorder is not None:
             self.load_recorder.end_pass()
         return hidden
 
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The forward and every row's logits (what a decode graph captures; no planning)."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+
     def prepare_inputs(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids[T], positions[T], meta, sample_index[N])`` of a step, where
         ``sample_index`` holds the flat index of the last new token of each sampling request.
+
+        ``meta`` also carries the planner's CPU int32 fields (``page_indptr``, ``page_indices``,
+        ``last_page_len``, ``query_start_cpu``, ``seq_lens_cpu``); see :class:`_InputStaging`
+        for how the device tensors get there.
 
         An empty step (an idle DP-attention rank) gives zero-length tensors and a zero-sequence
         ``meta`` (``block_tables`` ``[0, 1]``, max lengths 0): the forward still runs, so the
@@ -237,42 +383,43 @@ class ModelRunner:
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
         sample_index: list[int] = []
+        pages: list[int] = []
+        page_indptr = [0]
+        last_page_len: list[int] = []
+        max_query_len = 0
         for item in step.scheduled:
             request, start, count = item.request, item.start_position, item.num_new_tokens
             end = start + count
-            input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
             blocks = request.block_ids
-            # NOTE: slots of the new tokens, one block run at a time (a decode touches one block).
-            for block_index in range(start // block_size, (end - 1) // block_size + 1):
-                base = blocks[block_index] * block_size
-                lo = max(start, block_index * block_size) - block_index * block_size
-                hi = min(end, (block_index + 1) * block_size) - block_index * block_size
-                slots.extend(range(base + lo, base + hi))
+            if count == 1:
+                # NOTE: the decode fast path: one token in one slot.
+                input_ids.append(request.all_token_ids[start])
+                positions.append(start)
+                slots.append(blocks[start // block_size] * block_size + start % block_size)
+            else:
+                input_ids.extend(request.all_token_ids[start:end])
+                positions.extend(range(start, end))
+                # NOTE: slots of the new tokens, one block run at a time.
+                for block_index in range(start // block_size, (end - 1) // block_size + 1):
+                    base = blocks[block_index] * block_size
+                    lo = max(start, block_index * block_size) - block_index * block_size
+                    hi = min(end, (block_index + 1) * block_size) - block_index * block_size
+                    slots.extend(range(base + lo, base + hi))
+                max_query_len = max(max_query_len, count)
             query_start.append(query_start[-1] + count)
             seq_lens.append(end)
-            tables.append(blocks[: (end + block_size - 1) // block_size])
+            num_pages = (end + block_size - 1) // block_size
+            pages.extend(blocks[:num_pages])
+            page_indptr.append(page_indptr[-1] + num_pages)
+            last_page_len.append(end - (num_pages - 1) * block_size)
             if item.samples:
                 sample_index.append(query_start[-1] - 1)
-        width = max((len(t) for t in tables), default=1)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_start=torch.tensor(query_start, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
-            max_query_len=max((item.num_new_tokens for item in step.scheduled), default=0),
-            max_seq_len=max(seq_lens, default=0),
-            block_size=block_size,
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            meta,
-            torch.tensor(sample_index, dtype=torch.long, device=device),
+        if seq_lens and max_query_len == 0:
+            max_query_len = 1
+        return self._staging.build(
+            input_ids, positions, slots, query_start, seq_lens, sample_index,
+            pages, page_indptr, last_page_len, block_size, max_query_len,
         )
 
     # -- KV transfer (prefill/decode disaggregation; one rank, the endpoint in this process) --
@@ -332,3 +479,113 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release what outlives a step: the KV endpoint (idempotent)."""
         self.kv_detach()
+
+
+def _multi_rank(parallel: ParallelLayout) -> bool:
+    """Whether this rank shares its forward with other ranks (any group above one rank)."""
+    sizes = (parallel.tp_size, parallel.ep_size, parallel.moe_tp_size, parallel.dp_size, parallel.dcp_size)
+    return max(sizes) > 1 or any(getattr(c, "size", 1) > 1 for c in parallel.comms.values())
+
+
+class _InputStaging:
+    """Turns a step's Python lists into its device tensors with one host-to-device copy.
+
+    Every int64 device tensor of a step (input ids, positions, slots, query starts, sequence
+    lengths, sample index, the padded block table) is a view of one buffer. On CUDA the lists
+    are written into a pinned host buffer and copied with one non-blocking copy into a device
+    buffer reused across steps; the planner's int32 CPU fields are small fresh tensors.
+
+    NOTE: the pinned buffer is rewritten only after the previous step's copy has finished
+    (an event, already passed in practice: every step ends with a host sync); the device
+    buffer is rewritten by a copy queued after the previous step's kernels on the same stream.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pinned: torch.Tensor | None = None
+        self._pinned_np: np.ndarray | None = None
+        self._device_buf: torch.Tensor | None = None
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def _host(self, size: int) -> np.ndarray:
+        """A writable int64 host array of ``size`` (pinned and reused on CUDA)."""
+        if self.device.type != "cuda":
+            return np.empty(size, dtype=np.int64)
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+        if self._pinned is None or self._pinned.numel() < size:
+            capacity = max(4096, 1 << (size - 1).bit_length())
+            self._pinned = torch.empty(capacity, dtype=torch.long, pin_memory=True)
+            self._pinned_np = self._pinned.numpy()
+            with torch.inference_mode():
+                self._device_buf = torch.empty(capacity, dtype=torch.long, device=self.device)
+        return self._pinned_np[:size]
+
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        size = host.shape[0]
+        # NOTE: the device buffer is an inference tensor: written in inference mode whoever calls.
+        with torch.inference_mode():
+            out = self._device_buf[:size]
+            out.copy_(self._pinned[:size], non_blocking=True)
+        self._copied.record()
+        self._pending = True
+        return out
+
+    def build(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        query_start: list[int],
+        seq_lens: list[int],
+        sample_index: list[int],
+        pages: list[int],
+        page_indptr: list[int],
+        last_page_len: list[int],
+        block_size: int,
+        max_query_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's ``(input_ids, positions, meta, sample_index)`` (see
+        :meth:`ModelRunner.prepare_inputs`); ``pages`` are the sequences' blocks back to back,
+        ``page_indptr`` where each sequence's run starts, ``last_page_len`` the tokens in each
+        sequence's last block."""
+        t, b = len(input_ids), len(seq_lens)
+        # NOTE: the planner's int32 CPU fields, from one array: query_start | seq_lens |
+        # page_indptr | last_page_len.
+        cpu = torch.from_numpy(np.array(query_start + seq_lens + page_indptr + last_page_len, dtype=np.int32))
+        query_start_cpu, seq_lens_cpu, indptr_cpu, last_cpu = cpu.split([b + 1, b, b + 1, b])
+        page_array = np.array(pages, dtype=np.int32)
+        counts = np.diff(indptr_cpu.numpy()) if b > 1 else None
+        width = int(counts.max()) if b > 1 else len(pages) or 1
+        head = input_ids + positions + slots + query_start + seq_lens + sample_index
+        end_head = len(head)
+        host = self._host(end_head + b * width)
+        host[:end_head] = head
+        if len(pages) == b * width:
+            host[end_head:] = page_array
+        else:
+            tables = host[end_head:].reshape(b, width)
+            tables[:] = 0
+            tables[np.arange(width) < counts[:, None]] = page_array
+        ids, pos, slot, starts, lens, sampled, table = self._to_device(host).split(
+            [t, t, t, b + 1, b, len(sample_index), b * width]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot,
+            query_start=starts,
+            seq_lens=lens,
+            block_tables=table.view(b, width),
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+            page_indptr=indptr_cpu,
+            page_indices=torch.from_numpy(page_array),
+            last_page_len=last_cpu,
+            query_start_cpu=query_start_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        return ids, pos, meta, sampled

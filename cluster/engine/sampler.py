@@ -13,9 +13,16 @@ The order of operations, per row (each row carries its own ``SamplingParams``):
 3. greedy rows (temperature 0) take the argmax here;
 4. temperature, then top-k, then top-p over the renormalised top-k set, then min-p
    (relative to the most likely remaining token);
-5. a draw by the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``: a row with a
-   seed draws its noise from its own ``torch.Generator``, so its tokens depend only on
-   its seed and its own history, never on what else shares the batch.
+5. the draw. A row with a seed draws by the exponential race ``argmax(p / E)``,
+   ``E ~ Exp(1)``, its noise from its own ``torch.Generator``, so its tokens depend
+   only on its seed and its own history, never on what else shares the batch. A row
+   without a seed draws with the same race from the sampler's shared generator on the
+   ``"torch"`` backend; on the ``"flashinfer"`` backend (CUDA logits) the unseeded rows
+   instead run steps 4-5 in flashinfer's sorting-free kernels (the ``sample_tokens`` op:
+   same distribution, the randomness from the shared generator's Philox stream).
+
+Steps 1-3 run in torch on every backend, so logprobs, penalties and greedy choices do
+not depend on the sampling backend.
 """
 
 from __future__ import annotations
@@ -64,15 +71,27 @@ class SampledToken:
     rank: int | None = None
 
 
+_SAMPLING_BACKENDS = ("torch", "flashinfer")
+
+
 class Sampler:
     """Picks one token per row of a ``[B, V]`` logits tensor (see the module docstring).
 
-    ``generator`` is used for rows without a seed (pass a seeded one for a
-    reproducible engine-wide stream, e.g. from ``--random-seed``).
+    Args:
+        generator: used for rows without a seed (pass a seeded one for a reproducible
+            engine-wide stream, e.g. from ``--random-seed``); on the logits' device.
+        backend: ``"torch"`` (everywhere) or ``"flashinfer"`` (unseeded non-greedy rows of
+            CUDA logits draw through the flashinfer ``sample_tokens`` op; CPU logits keep
+            the torch path). ValueError when the backend is unknown or not installed.
     """
 
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, backend: str = "torch"):
+        if backend not in _SAMPLING_BACKENDS:
+            raise ValueError(f"sampling backend={backend!r} is not supported; use one of {list(_SAMPLING_BACKENDS)}")
         self.generator = generator
+        self.backend = backend
+        # NOTE: looked up now so an unavailable backend fails at start-up, not mid-request.
+        self._sample_tokens = kernels.get("sample_tokens", backend) if backend != "torch" else None
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         return self.sample(logits, rows)
@@ -97,11 +116,23 @@ class Sampler:
             return logits.argmax(dim=-1)
         chosen = logits.argmax(dim=-1)
         sampled = [i for i, g in enumerate(greedy) if not g]
-        index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
-        sub_rows = [rows[i] for i in sampled]
-        probs = truncated_probs(logits.index_select(0, index), [r.params for r in sub_rows])
-        noise = self._exponential_noise(probs, sub_rows)
-        chosen[index] = (probs / noise).argmax(dim=-1)
+        fast = []
+        if self._sample_tokens is not None and logits.is_cuda:
+            fast = [i for i in sampled if rows[i].generator is None]
+            sampled = [i for i in sampled if rows[i].generator is not None]
+        if fast:
+            index = torch.tensor(fast, dtype=torch.long, device=logits.device)
+            params = [rows[i].params for i in fast]
+            # NOTE: the parameter vectors stay on the CPU: the op picks its kernels from them there.
+            chosen[index] = self._sample_tokens(
+                logits.index_select(0, index), *_param_vectors(params, logits.shape[1], "cpu"), self.generator
+            )
+        if sampled:
+            index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+            sub_rows = [rows[i] for i in sampled]
+            probs = truncated_probs(logits.index_select(0, index), [r.params for r in sub_rows])
+            noise = self._exponential_noise(probs, sub_rows)
+            chosen[index] = (probs / noise).argmax(dim=-1)
         return chosen
 
     def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -122,14 +153,20 @@ class Sampler:
 def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams], backend: str = "torch") -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p per row (the ``sampling_probs`` kernel
     op); returns probabilities ``[B, V]`` with truncated tokens at exactly 0."""
-    device, vocab = logits.device, logits.shape[1]
-    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-    return kernels.get("sampling_probs", backend)(
-        logits,
-        as_tensor([p.temperature for p in params], logits.dtype),
-        as_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long),
-        as_tensor([p.top_p for p in params], logits.dtype),
-        as_tensor([p.min_p for p in params], logits.dtype),
+    vectors = _param_vectors(params, logits.shape[1], logits.device, logits.dtype)
+    return kernels.get("sampling_probs", backend)(logits, *vectors)
+
+
+def _param_vectors(
+    params: Sequence[SamplingParams], vocab: int, device: str | torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(temperature, top_k, top_p, min_p)`` per row on ``device`` (the float ones in
+    ``dtype``); a ``top_k`` that keeps every token is ``vocab``."""
+    return (
+        torch.tensor([p.temperature for p in params], dtype=dtype, device=device),
+        torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long, device=device),
+        torch.tensor([p.top_p for p in params], dtype=dtype, device=device),
+        torch.tensor([p.min_p for p in params], dtype=dtype, device=device),
     )
 
 

@@ -117,6 +117,13 @@ class ModelConfig:
         dtype: parameter and activation dtype.
         parallel: tensor-parallel layout of this rank.
         attention_backend: name of the kernel backend for attention ops.
+        elementwise_backend: name of the kernel backend for ``rms_norm``,
+            ``rotary_embedding`` and ``silu_and_mul`` (``"torch"`` or ``"flashinfer"``; the
+            flashinfer ops fall back to torch per call for inputs their kernels do not take,
+            e.g. float32 or CPU tensors).
+        moe_backend: name of the kernel backend of the routed experts' ``fused_moe``
+            (``"torch"``, ``"triton"``, ...), passed to every
+            :class:`~flotilla.cluster.models.moe_layer.FusedMoE` as its ``backend``.
         num_redundant_experts: extra physical expert slots of every MoE layer
             (``--ep-num-redundant-experts``), holding copies of logical experts.
         expert_placements: an explicit :class:`~flotilla.cluster.eplb.ExpertPlacement` per MoE
@@ -128,6 +135,8 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     attention_backend: str = "torch"
+    elementwise_backend: str = "torch"
+    moe_backend: str = "torch"
     num_redundant_experts: int = 0
     expert_placements: Mapping[int, Any] = field(default_factory=dict)
 

@@ -33,7 +33,6 @@ from flotilla.cluster.models.base import KVCacheSpec, ModelConfig, ParallelLayou
 from flotilla.cluster.models.layers import ColumnParallelLinear, RowParallelLinear
 from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
 from flotilla.cluster.models.moe_models import (
-    KERNEL_BACKEND,
     DecoderLayer,
     DecoderOnlyLM,
     MLP_STACKED_PARAMS,
@@ -43,9 +42,12 @@ from flotilla.cluster.models.moe_models import (
     rope_settings,
 )
 from flotilla.kernels import registry
-from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.attention import AttentionMetadata, AttentionShape
 from flotilla.kernels.dcp import dcp_local_view
 
+# NOTE: the DCP merge of partial attention states runs on the torch reference whatever the
+# elementwise backend is.
+_MERGE_BACKEND = "torch"
 # NOTE: HF (and DeepSeek's own code) build q_a_layernorm / kv_a_layernorm with the
 # RMSNorm default epsilon, not config.rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -161,10 +163,10 @@ class MLAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(hidden, q_width, parallel=tp, dtype=dtype)
         else:
             self.q_a_proj = _replicated(hidden, self.q_lora_rank, bias, dtype)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS, dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS, dtype, cfg.elementwise_backend)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_width, parallel=tp, dtype=dtype)
         self.kv_a_proj_with_mqa = _replicated(hidden, self.kv_lora_rank + self.rope_dim, bias, dtype)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS, dtype, cfg.elementwise_backend)
         # kv_b_proj, split per head: keys' up-projection and values' up-projection (transposed).
         w_kc = torch.empty(self.attn_heads, self.nope_dim, self.kv_lora_rank, dtype=dtype)
         w_vc = torch.empty(self.attn_heads, self.kv_lora_rank, self.v_dim, dtype=dtype)
@@ -176,7 +178,7 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
         self._attend = registry.get("mla_attention", cfg.attention_backend)
-        self._merge_n = registry.get("merge_attention_states_n", KERNEL_BACKEND)
+        self._merge_n = registry.get("merge_attention_states_n", _MERGE_BACKEND)
 
     def _load_kv_b(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Fill ``w_kc`` or ``w_vc`` from the whole ``kv_b_proj.weight[H*(Dn+Dv), R]`` (the heads
@@ -260,7 +262,7 @@ class DeepseekMoE(nn.Module):
             placement=cfg.expert_placements.get(layer_index),
             parallel=cfg.parallel,
             dtype=cfg.dtype,
-            backend=KERNEL_BACKEND,
+            backend=cfg.moe_backend,
         )
         shared = cfg.get("n_shared_experts", 0)
         self.shared_experts = GatedMLP(cfg, hidden, inter * shared) if shared else None
@@ -281,7 +283,9 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
         super().__init__(cfg)
         base, scaling = rope_settings(cfg)
         max_position = cfg.get("max_position_embeddings")
-        rotary = RotaryEmbedding(cfg.get("qk_rope_head_dim"), max_position, base, scaling, is_neox)
+        rotary = RotaryEmbedding(
+            cfg.get("qk_rope_head_dim"), max_position, base, scaling, is_neox, backend=cfg.elementwise_backend
+        )
         first_dense = cfg.get("first_k_dense_replace", 0)
         freq = cfg.get("moe_layer_freq", 1)
         self.num_layers = cfg.get("num_hidden_layers")
@@ -299,6 +303,27 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
     def kv_head_span(self) -> tuple[int, int, int]:
         """``(0, 1, 1)``: the MLA latent cache has one "head", replicated on every TP rank."""
         return 0, 1, 1
+
+    def attention_shape(self) -> AttentionShape:
+        """What this rank's MLA layers look like, in the absorbed (latent) form that
+        ``mla_attention`` runs: one shared KV "head" of ``kv_lora_rank + qk_rope_head_dim``
+        (values: the ``kv_lora_rank`` latent), the query heads this rank attends for (its own
+        ``num_attention_heads / tp``; under DCP its whole DCP group's), and the softmax scale
+        the layers pass (``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times YaRN's
+        ``mscale**2`` when the rope scaling sets ``mscale_all_dim``)."""
+        attn = self.layers[0].self_attn
+        latent = attn.kv_lora_rank
+        return AttentionShape(
+            num_q_heads=attn.attn_heads,
+            num_kv_heads=1,
+            head_dim=latent + attn.rope_dim,
+            head_dim_v=latent,
+            scale=attn.scale,
+            sliding_window=None,
+            dtype=self.config.dtype,
+            kv_lora_rank=latent,
+            qk_rope_head_dim=attn.rope_dim,
+        )
 
     def hf_target(self, name: str) -> Any:
         layer = _LAYER_INDEX.match(name)

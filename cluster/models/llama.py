@@ -32,12 +32,8 @@ from flotilla.cluster.models.layers import (
     kv_heads_per_rank,
 )
 from flotilla.kernels import registry
-from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.attention import AttentionMetadata, AttentionShape
 from flotilla.kernels.rotary import rope_cache
-
-# NOTE: norms, RoPE and activations use the torch backend: ModelConfig names only
-# the attention backend today. A GPU backend for these ops plugs in here.
-_ELEMENTWISE_BACKEND = "torch"
 
 # HF checkpoint parts that are stacked into one of our projections: (hf, ours, shard_id).
 _STACKED_PARAMS = (
@@ -167,7 +163,13 @@ class DenseDecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.settings = s = self.read_settings(config)
-        self.model = DecoderModel(s, config.parallel, config.dtype, registry.get("paged_attention", config.attention_backend))
+        self.model = DecoderModel(
+            s,
+            config.parallel,
+            config.dtype,
+            registry.get("paged_attention", config.attention_backend),
+            config.elementwise_backend,
+        )
         self.lm_head = ParallelLMHead(s.vocab_size, s.hidden_size, config.parallel, config.dtype)
         if s.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -187,6 +189,22 @@ class DenseDecoderForCausalLM(nn.Module):
         s = self.settings
         per_token = (kv_heads_per_rank(s.num_kv_heads, self.config.parallel.tp_size), s.head_dim)
         return KVCacheSpec(num_layers=s.num_layers, tensors_per_layer=(per_token, per_token), dtype=self.config.dtype)
+
+    def attention_shape(self) -> AttentionShape:
+        """What this rank's attention layers look like (heads after TP sharding; every
+        layer alike). ValueError for a model whose layers use different sliding windows
+        (one attention plan per step serves every layer)."""
+        s = self.settings
+        attn = self.model.layers[0].self_attn
+        return AttentionShape(
+            num_q_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=s.head_dim,
+            head_dim_v=s.head_dim,
+            scale=attn.scale,
+            sliding_window=uniform_sliding_window(s.sliding_windows, self.architecture),
+            dtype=self.config.dtype,
+        )
 
     def kv_head_span(self) -> tuple[int, int, int]:
         """``(start, count, total)``: the global KV heads this rank's K and V caches hold
@@ -313,16 +331,33 @@ class Qwen3ForCausalLM(DenseDecoderForCausalLM):
 # --- building blocks --------------------------------------------------------------
 
 
+def uniform_sliding_window(windows: Iterable[int | None], architecture: str) -> int | None:
+    """The one sliding window every layer uses (None: full attention); ValueError when
+    the layers differ, which one per-step attention plan cannot serve."""
+    distinct = set(windows)
+    if len(distinct) > 1:
+        raise ValueError(
+            f"{architecture} uses different attention windows per layer ({sorted(distinct, key=str)}); "
+            "the attention planner needs one window for every layer: use the torch attention backend"
+        )
+    return next(iter(distinct), None)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension; ``forward(x, residual)`` fuses the residual add
-    and returns ``(normed, new_residual)`` (see ``kernels/norm.py``)."""
+    and returns ``(normed, new_residual)`` (see ``kernels/norm.py``).
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+    NOTE: with ``residual`` the ``flashinfer`` backend writes its outputs into ``x`` and
+    ``residual`` (see ``kernels/flashinfer_ops.py``): callers pass tensors they replace with
+    the returned pair and never read again.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32, backend: str = "torch"):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-        self._op = registry.get("rms_norm", _ELEMENTWISE_BACKEND)
+        self._op = registry.get("rms_norm", backend)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self._op(x, self.weight, self.eps, residual)
@@ -332,7 +367,9 @@ class DecoderAttention(nn.Module):
     """Self-attention of one layer: merged q/k/v projection, optional q/k norm, RoPE,
     paged attention (optionally windowed), output projection."""
 
-    def __init__(self, s: DecoderSettings, layer: int, parallel: ParallelLayout, dtype: torch.dtype, attention_op):
+    def __init__(
+        self, s: DecoderSettings, layer: int, parallel: ParallelLayout, dtype: torch.dtype, attention_op, backend: str
+    ):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias, parallel, dtype
@@ -342,10 +379,10 @@ class DecoderAttention(nn.Module):
         self.scale = s.head_dim**-0.5
         self.sliding_window = s.sliding_windows[layer]
         self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, parallel, dtype)
-        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype) if s.qk_norm else None
-        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype) if s.qk_norm else None
+        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype, backend) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype, backend) if s.qk_norm else None
         self._attention = attention_op
-        self._rotary = registry.get("rotary_embedding", _ELEMENTWISE_BACKEND)
+        self._rotary = registry.get("rotary_embedding", backend)
 
     def forward(
         self,
@@ -371,11 +408,13 @@ class DecoderAttention(nn.Module):
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up stacked."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, parallel: ParallelLayout, dtype: torch.dtype):
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, parallel: ParallelLayout, dtype: torch.dtype, backend: str
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, parallel, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype)
-        self._act = registry.get("silu_and_mul", _ELEMENTWISE_BACKEND)
+        self._act = registry.get("silu_and_mul", backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._act(self.gate_up_proj(x)))
@@ -384,14 +423,18 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with the residual stream carried separately."""
 
-    def __init__(self, s: DecoderSettings, layer: int, parallel: ParallelLayout, dtype: torch.dtype, attention_op):
+    def __init__(
+        self, s: DecoderSettings, layer: int, parallel: ParallelLayout, dtype: torch.dtype, attention_op, backend: str
+    ):
         super().__init__()
-        self.self_attn = DecoderAttention(s, layer, parallel, dtype, attention_op)
-        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.mlp_bias, parallel, dtype)
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.self_attn = DecoderAttention(s, layer, parallel, dtype, attention_op, backend)
+        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.mlp_bias, parallel, dtype, backend)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
+        # NOTE: each fused norm may overwrite the hidden/residual it is given (flashinfer);
+        # both are rebound to its outputs and the old tensors are never read again.
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -402,13 +445,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix)."""
+    """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix);
+    ``elementwise_backend`` names the kernels of the norms, RoPE and activations."""
 
-    def __init__(self, s: DecoderSettings, parallel: ParallelLayout, dtype: torch.dtype, attention_op):
+    def __init__(
+        self,
+        s: DecoderSettings,
+        parallel: ParallelLayout,
+        dtype: torch.dtype,
+        attention_op,
+        elementwise_backend: str = "torch",
+    ):
         super().__init__()
+        backend = elementwise_backend
         self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, parallel, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(s, i, parallel, dtype, attention_op) for i in range(s.num_layers))
-        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(s, i, parallel, dtype, attention_op, backend) for i in range(s.num_layers)
+        )
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
         # NOTE: float32 and shared by every layer; the rotary op casts cos/sin to the
         # activation dtype, as HF does.
         self.register_buffer(

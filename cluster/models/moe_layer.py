@@ -104,7 +104,8 @@ class FusedMoE(nn.Module):
             ``trivial_placement(E, ep_size, num_redundant_experts)``).
         placement: the logical -> physical map; its ``ep_size`` must be ``parallel.ep_size``.
         dtype: weight dtype.
-        backend: kernel backend of ``select_experts`` / ``fused_moe``.
+        backend: kernel backend of ``fused_moe`` (and of ``select_experts`` when it has one;
+            otherwise routing uses the torch reference).
 
     ``load_recorder`` (None by default): an
     :class:`~flotilla.cluster.models.expert_load.ExpertLoadRecorder` that each forward hands the
@@ -155,8 +156,12 @@ class FusedMoE(nn.Module):
         self.parallel = parallel
         self.dtype = dtype
         self.intermediate_per_rank = intermediate_size // parallel.moe_tp_size
-        self._select = registry.get("select_experts", backend)
+        # NOTE: fused_moe first: it imports the backend's modules, which register whatever
+        # routing op the backend has; a backend without select_experts (triton) routes with
+        # the torch reference, which runs on any device without host synchronisation.
         self._experts = registry.get("fused_moe", backend)
+        select_backend = backend if backend in registry.backends("select_experts") else "torch"
+        self._select = registry.get("select_experts", select_backend)
         self.dispatcher = make_dispatcher(parallel)
         self.set_placement(
             placement or trivial_placement(num_experts, parallel.ep_size, num_redundant_experts)

@@ -23,14 +23,11 @@ from flotilla.cluster.models.layers import (
     default_weight_loader,
     kv_head_span,
 )
-from flotilla.cluster.models.llama import RMSNorm  # noqa: F401  (shared with deepseek.py)
+from flotilla.cluster.models.llama import RMSNorm, uniform_sliding_window
 from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
 from flotilla.kernels import registry
-from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.attention import AttentionMetadata, AttentionShape
 from flotilla.kernels.rotary import rope_cache
-
-# NOTE: ops other than attention use the torch reference until resolution names their backends.
-KERNEL_BACKEND = "torch"
 
 
 # --------------------------------------------------------------------------- shared building blocks
@@ -54,13 +51,22 @@ def rope_settings(cfg: ModelConfig) -> tuple[float, dict[str, Any] | None]:
 
 
 class RotaryEmbedding(nn.Module):
-    """A model's RoPE table (one per model, shared by its attention layers)."""
+    """A model's RoPE table (one per model, shared by its attention layers); ``backend``
+    names the ``rotary_embedding`` kernel."""
 
-    def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict | None, is_neox: bool):
+    def __init__(
+        self,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict | None,
+        is_neox: bool,
+        backend: str = "torch",
+    ):
         super().__init__()
         self.is_neox = is_neox
         self.register_buffer("cos_sin_cache", rope_cache(rotary_dim, max_position, base, scaling), persistent=False)
-        self._op = registry.get("rotary_embedding", KERNEL_BACKEND)
+        self._op = registry.get("rotary_embedding", backend)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None):
         return self._op(positions, q, k, self.cos_sin_cache, is_neox=self.is_neox)
@@ -79,7 +85,7 @@ class GatedMLP(nn.Module):
             hidden_size, [intermediate_size] * 2, parallel=cfg.parallel, dtype=cfg.dtype
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=cfg.parallel, dtype=cfg.dtype)
-        self._act = registry.get("silu_and_mul", KERNEL_BACKEND)
+        self._act = registry.get("silu_and_mul", cfg.elementwise_backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._act(self.gate_up_proj(x)))
@@ -170,8 +176,8 @@ class GQAttention(nn.Module):
         self.qkv_proj = MergedColumnParallelLinear(hidden, sizes, bias=bias, parallel=cfg.parallel, dtype=cfg.dtype)
         self.o_proj = RowParallelLinear(num_heads * d, hidden, bias=bias, parallel=cfg.parallel, dtype=cfg.dtype)
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(d, eps, cfg.dtype) if qk_norm else None
-        self.k_norm = RMSNorm(d, eps, cfg.dtype) if qk_norm else None
+        self.q_norm = RMSNorm(d, eps, cfg.dtype, cfg.elementwise_backend) if qk_norm else None
+        self.k_norm = RMSNorm(d, eps, cfg.dtype, cfg.elementwise_backend) if qk_norm else None
         self.rotary = rotary
         self.sliding_window = sliding_window
         self.scale = d**-0.5
@@ -211,7 +217,7 @@ class SparseMoeBlock(nn.Module):
             renormalize=renormalize,
             parallel=cfg.parallel,
             dtype=cfg.dtype,
-            backend=KERNEL_BACKEND,
+            backend=cfg.moe_backend,
             num_redundant_experts=cfg.num_redundant_experts,
             placement=cfg.expert_placements.get(layer_index),
         )
@@ -229,10 +235,12 @@ class DecoderLayer(nn.Module):
         hidden, eps = cfg.get("hidden_size"), cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden, eps, cfg.dtype)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, cfg.dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, cfg.dtype, cfg.elementwise_backend)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, cfg.dtype, cfg.elementwise_backend)
 
     def forward(self, positions, x, residual, kv_cache, meta):
+        # NOTE: each fused norm may overwrite the x/residual it is given (flashinfer); both
+        # are rebound to its outputs and the old tensors are never read again.
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -255,7 +263,7 @@ class DecoderOnlyLM(nn.Module):
         self.config = cfg
         vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
         self.embed_tokens = VocabParallelEmbedding(vocab, hidden, cfg.parallel, cfg.dtype)
-        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), cfg.dtype)
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), cfg.dtype, cfg.elementwise_backend)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(vocab, hidden, cfg.parallel, cfg.dtype)
         if self.tie_word_embeddings:
@@ -292,6 +300,21 @@ class _GQAMoELM(DecoderOnlyLM):
         shape = (attn.num_kv_heads, attn.head_dim)
         return KVCacheSpec(num_layers=len(self.layers), tensors_per_layer=(shape, shape), dtype=self.config.dtype)
 
+    def attention_shape(self) -> AttentionShape:
+        """What this rank's attention layers look like (heads after TP sharding; every
+        layer alike): see :meth:`flotilla.cluster.models.llama.DenseDecoderForCausalLM.attention_shape`."""
+        attn = self.layers[0].self_attn
+        windows = [layer.self_attn.sliding_window for layer in self.layers]
+        return AttentionShape(
+            num_q_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            head_dim_v=attn.head_dim,
+            scale=attn.scale,
+            sliding_window=uniform_sliding_window(windows, type(self).__name__),
+            dtype=self.config.dtype,
+        )
+
     def kv_head_span(self) -> tuple[int, int, int]:
         """``(start, count, total)``: the global KV heads this rank's K and V caches hold
         (a contiguous ``num_kv_heads / tp`` slice; :class:`GQAttention` splits them evenly)."""
@@ -304,7 +327,9 @@ def _neox_rotary(cfg: ModelConfig) -> "RotaryEmbedding":
     """The neox-style RoPE table of a GQA MoE model (head_dim from the config, or hidden / heads)."""
     base, scaling = rope_settings(cfg)
     head_dim = cfg.get("head_dim", cfg.get("hidden_size") // cfg.get("num_attention_heads"))
-    return RotaryEmbedding(head_dim, cfg.get("max_position_embeddings"), base, scaling, is_neox=True)
+    return RotaryEmbedding(
+        head_dim, cfg.get("max_position_embeddings"), base, scaling, is_neox=True, backend=cfg.elementwise_backend
+    )
 
 
 class Qwen3MoeForCausalLM(_GQAMoELM):

@@ -138,6 +138,8 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     attention_backend: str = "torch",
+    elementwise_backend: str = "torch",
+    moe_backend: str = "torch",
     parallel: ParallelLayout | None = None,
     load_format: str = "auto",
     num_redundant_experts: int = 0,
@@ -150,6 +152,8 @@ def load_model(
     ``"dummy"`` (deterministic random weights, see :mod:`flotilla.cluster.models.dummy_weights`).
     ``num_redundant_experts`` adds that many physical slots to every MoE layer (copies of
     logical experts, placed by :func:`flotilla.cluster.eplb.trivial_placement`).
+    ``attention_backend``, ``elementwise_backend`` and ``moe_backend`` name the kernel
+    backends of the model's ops (see :class:`~flotilla.cluster.models.base.ModelConfig`).
 
     Returns the model in eval mode on ``device``, parameters in the resolved ``dtype``.
     """
@@ -161,6 +165,8 @@ def load_model(
         dtype=resolve_dtype(dtype, source, device),
         parallel=parallel or ParallelLayout(),
         attention_backend=attention_backend,
+        elementwise_backend=elementwise_backend,
+        moe_backend=moe_backend,
         num_redundant_experts=num_redundant_experts,
         expert_placements=dict(expert_placements or {}),
     )
