@@ -14,7 +14,7 @@ USAGE = """usage: flotilla <command> [options]
 commands:
   resolve   resolve the server configuration for a model and platform, and print it
   serve     start the OpenAI-compatible endpoint on a Ray cluster
-  bench     measure throughput (`flotilla bench offline`: the in-process engine, optionally vs HF)
+  bench     measure the in-process engine (`flotilla bench latency` / `flotilla bench offline`)
   deploy    deployment tools (`flotilla deploy wheelhouse DIR`: every wheel an air-gapped node needs)
 
 run `flotilla <command> --help` for a command's options.
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_resolve(rest)
     if command == "bench":
-        from flotilla.deploy.bench_cmd import run_bench
+        from flotilla.deploy.bench import run_bench
 
         return run_bench(rest)
     if command == "serve":

@@ -1,0 +1,224 @@
+"""`flotilla bench latency` / `offline` on a tiny random Llama on CPU (the JSON's structure and
+arithmetic), the bundled model shapes (they resolve for an H200, and have the published
+parameter counts), the roofline's byte model, and the HF peer script on CPU."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from flotilla.cluster.models.dummy_weights import hf_tensor_shapes
+from flotilla.deploy.bench import shape_config, shape_names
+from flotilla.deploy.bench_roofline import WeightBytes, expected_distinct_experts
+from flotilla.deploy.bench_run import percentile
+from flotilla.deploy.cli import main
+from flotilla.resolution import ModelFacts, ServerArgs, resolve
+from flotilla.resolution.platform import PRESETS
+from helpers.resolution_configs import LLAMA_128K
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
+    "max_position_embeddings": 512, "torch_dtype": "float32", "tie_word_embeddings": False,
+}  # fmt: skip
+# float32 on CPU: 2 layers x (K, V) x 2 KV heads x head dim 16 x 4 bytes.
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+COPY_BYTES = str(32 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-tiny")
+    (path / "config.json").write_text(json.dumps(TINY))
+    return path
+
+
+def _ordered(stats):
+    assert stats["min"] <= stats["p50"] <= stats["p90"] <= stats["max"], stats
+    assert stats["min"] <= stats["mean"] <= stats["max"], stats
+
+
+def _check_common(data, weights_per_step_rows):
+    bw = data["bandwidth"]
+    assert bw["peak_bytes_per_s"] == pytest.approx(2 * bw["buffer_bytes"] * bw["iters"] / bw["seconds"])
+    params = sum(math.prod(s) for s in hf_tensor_shapes(TINY).values())
+    w = data["weights"]
+    assert data["weight_dtype"] == "float32" and w["element_size"] == 4
+    assert w["total"] == 4 * params and w["dense"] + w["embedding"] == w["total"] and w["embedding_row"] == 64 * 4
+    assert (w["moe_layers"], w["expert"], data["model"]["params"]) == (0, 0, params)
+    assert data["kv_bytes_per_token"] == TINY_KV_BYTES_PER_TOKEN and data["devices"] == 1
+    roof = data["flotilla"]["roofline"]
+    assert 0 < roof["mbu"] < 1.5 and roof["mbu"] < roof["mbu_embedding_counted"]
+    # NOTE: a decode step of B sequences reads the dense weights and B embedding rows.
+    assert roof["weight_bytes_per_step_mean"] == pytest.approx(w["dense"] + weights_per_step_rows * w["embedding_row"])
+    per_step = roof["weight_bytes_per_step_mean"] + roof["kv_bytes_per_step_mean"]
+    assert roof["bytes_per_step_mean"] == pytest.approx(per_step)
+    expected = roof["bytes_per_step_mean"] * roof["decode_steps"] / roof["decode_seconds"] / bw["peak_bytes_per_s"]
+    assert roof["mbu"] == pytest.approx(expected)
+    assert data["config"]["device"] == "cpu" and "attention_backend" in data["config"] and data["config"]["digest"]
+    assert data["environment"]["torch"] and data["startup"]["load_s"] > 0 and data["startup"]["warmup_s"] > 0
+    assert data["model"]["load_format"] == "dummy"
+
+
+def test_bench_latency_json(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--model", str(tiny_dir), "--load-format", "dummy", "--batch-size", "2",
+            "--input-len", "12", "--output-len", "6", "--num-iters", "2", "--warmup-steps", "2",
+            "--bandwidth-bytes", COPY_BYTES, "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "TPOT p50" in printed and "MBU" in printed
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "latency" and data["command"][:3] == ["flotilla", "bench", "latency"]
+    res = data["flotilla"]
+    assert (res["iterations"], res["batch_size"], res["output_tokens"], res["input_tokens"]) == (2, 2, 24, 48)
+    # NOTE: the prefill step makes the first token; each of the 5 later steps decodes both sequences.
+    assert res["tpot_ms"]["count"] == 2 * 5 and res["roofline"]["decode_steps"] == 10
+    for key in ("ttft_ms", "tpot_ms", "latency_s"):
+        _ordered(res[key])
+    walls = [it["wall_s"] for it in res["iteration_details"]]
+    assert res["output_tok_s"] == pytest.approx(24 / sum(walls))
+    assert all(it["ttft_s"] < it["wall_s"] for it in res["iteration_details"])
+    assert res["ttft_ms"]["max"] < 1e3 * res["latency_s"]["max"]
+    # Context after decode step j is 12 + j (j = 1..5) per sequence: a mean of 2 * 15 tokens read.
+    assert res["roofline"]["kv_bytes_per_step_mean"] == pytest.approx(30 * TINY_KV_BYTES_PER_TOKEN)
+    _check_common(data, weights_per_step_rows=2)
+
+
+def test_bench_offline_json(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", str(tiny_dir), "--load-format", "dummy", "--num-prompts", "5",
+            "--input-len", "10", "--output-len", "4", "--warmup-steps", "1", "--bandwidth-bytes", COPY_BYTES,
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "flotilla (all at once)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    res = data["flotilla"]
+    assert (res["requests"], res["input_tokens"], res["output_tokens"]) == (5, 50, 20)
+    assert res["output_tok_s"] * res["wall_s"] == pytest.approx(20)
+    assert res["total_tok_s"] * res["wall_s"] == pytest.approx(70)
+    assert res["input_tok_s"] * res["wall_s"] == pytest.approx(50)
+    assert res["ttft_s"]["count"] == 5 and res["tpot_ms"]["count"] == 5
+    _ordered(res["ttft_s"])
+    _ordered(res["tpot_ms"])
+    assert res["ttft_s"]["max"] < res["wall_s"] and res["prefix_cache_hit_rate"] == 0.0
+    # NOTE: all five prompts prefill in one step; the three later steps decode all five.
+    assert res["roofline"]["decode_steps"] == 3 and res["max_batch_seqs"] == 5
+    # Contexts after decode steps: 11, 12, 13 per sequence -> mean 12 x 5 sequences.
+    assert res["roofline"]["kv_bytes_per_step_mean"] == pytest.approx(60 * TINY_KV_BYTES_PER_TOKEN)
+    _check_common(data, weights_per_step_rows=5)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["latency", "--shape", "llama-3.1-8b", "--model", "/x"], "give --shape or --model, not both"),
+        (["latency", "--shape", "gpt-9"], "--shape 'gpt-9' is not a bundled model shape"),
+        (["latency", "--shape", "qwen3-8b", "--load-format", "auto"], "--load-format must be dummy"),
+        (["latency", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["offline", "--num-prompts", "0"], "--num-prompts must be at least 1"),
+        (["offline", "--warmup-steps", "-1"], "--warmup-steps must be 0 or more"),
+        (["offline", "--shape", "qwen3-8b", "--compare-hf"], "hf_peer_bench.py"),
+        (["latency", "--batch-sise", "2"], "did you mean --batch-size"),
+        (["latency", "--num-prompts", "2"], "unrecognized flag --num-prompts"),
+    ],
+)
+def test_bench_rejects_bad_options(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_usage(capsys):
+    assert main(["bench"]) == 2 and main(["bench", "online"]) == 2
+    assert main(["bench", "--help"]) == 0 and "latency" in capsys.readouterr().out
+
+
+# Published totals (HF model cards): parameters, and parameters one token reads (MoE "active").
+SHAPES = {
+    "llama-3.1-8b": (8.03e9, None),
+    "qwen3-8b": (8.19e9, None),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),  # "3.3B activated", embedding table included
+    "deepseek-v2-lite": (15.7e9, 2.4e9),  # "2.4B activated"; this count leaves the embedding table out
+}
+
+
+def test_bundled_shapes_are_the_four():
+    assert shape_names() == sorted(SHAPES)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_bundled_shape_resolves_for_h200_with_its_published_size(name):
+    config = shape_config(name)
+    resolved = resolve(
+        ServerArgs.create(model_path=f"/models/{name}", load_format="dummy"),
+        ModelFacts.from_hf_config(config),
+        PRESETS["h200"],
+    )
+    assert (resolved.device, resolved.load_format, resolved.tp_size) == ("cuda", "dummy", 1)
+    total, active = SHAPES[name]
+    params = sum(math.prod(s) for s in hf_tensor_shapes(config).values())
+    assert params == pytest.approx(total, rel=0.01)
+    weights = WeightBytes.from_config(config, element_size=2)
+    assert weights.total == 2 * params
+    if active is None:
+        assert (weights.moe_layers, weights.num_experts) == (0, 0)
+        assert weights.per_step(1, count_embedding=True) == weights.total
+    else:
+        counted = name == "qwen3-30b-a3b"
+        assert weights.per_step(1, count_embedding=counted) / 2 == pytest.approx(active, rel=0.03)
+        # A large batch touches every expert: the whole model is read.
+        assert weights.per_step(10**6, count_embedding=True) == pytest.approx(weights.total)
+
+
+def test_llama_shape_is_the_shared_llama_31_8b_config():
+    config = shape_config("llama-3.1-8b")
+    assert {k: config[k] for k in LLAMA_128K} == LLAMA_128K
+    assert config["rope_scaling"]["rope_type"] == "llama3" and config["tie_word_embeddings"] is False
+
+
+def test_moe_shapes_carry_their_routing_fields():
+    qwen = shape_config("qwen3-30b-a3b")
+    assert (qwen["num_experts"], qwen["num_experts_per_tok"], qwen["moe_intermediate_size"]) == (128, 8, 768)
+    ds = shape_config("deepseek-v2-lite")
+    assert (ds["n_routed_experts"], ds["num_experts_per_tok"], ds["n_shared_experts"]) == (64, 6, 2)
+    assert (ds["q_lora_rank"], ds["kv_lora_rank"], ds["first_k_dense_replace"]) == (None, 512, 1)
+    weights = WeightBytes.from_config(ds, element_size=2)
+    assert (weights.moe_layers, weights.num_experts, weights.top_k) == (26, 64, 6)
+    assert weights.expert == 2 * 3 * 2048 * 1408
+
+
+def test_expected_distinct_experts():
+    assert expected_distinct_experts(128, 8, 1) == pytest.approx(8)
+    assert expected_distinct_experts(64, 6, 2) == pytest.approx(64 * (1 - (58 / 64) ** 2))
+    grown = [expected_distinct_experts(128, 8, b) for b in (1, 2, 8, 64, 512)]
+    assert grown == sorted(grown) and grown[-1] == pytest.approx(128, rel=1e-3)
+    assert expected_distinct_experts(0, 8, 4) == 0.0
+
+
+def test_percentile_interpolates():
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert percentile([7.0], 90) == 7.0 and percentile([], 50) is None
+
+
+def test_hf_peer_bench_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("hf_peer_bench", REPO / "benchmarks" / "hf_peer_bench.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    out = tmp_path / "hf.json"
+    argv = ["--config", str(config), "--dtype", "float32", "--device", "cpu", "--input-len", "8", "--output-len", "5",
+            "--batch-size", "3", "--batch-output-len", "4", "--bandwidth-bytes", COPY_BYTES, "--json", str(out)]  # fmt: skip
+    assert peer.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert sorted(data["parts"]) == ["eager1", "eager64", "static1"]
+    assert data["kv_bytes_per_token"] == TINY_KV_BYTES_PER_TOKEN
+    for part, (batch, new) in {"eager1": (1, 5), "eager64": (3, 4), "static1": (1, 5)}.items():
+        row = data["parts"][part]
+        assert (row["batch_size"], row["output_len"], row["output_tokens"]) == (batch, new, batch * new)
+        assert row["output_tok_s"] * row["wall_s"] == pytest.approx(batch * new)
+        assert row["ms_per_token"] == pytest.approx(1e3 * row["wall_s"] / new)
