@@ -16,7 +16,9 @@ exactly ``--output-len`` tokens; the tokenizer is never loaded.
 latency: ``--batch-size`` prompts submitted together, ``--num-iters`` times after a warm-up
 batch of ``--warmup-steps`` decode steps. TTFT is the time until the batch's last first token
 (the prefill); time per output token (TPOT) is the wall time of a decode step (every sequence
-adds one token); latency is submit to finish.
+adds one token); latency is submit to finish. Then the decode CUDA graph of the batch is replayed
+alone (device time against the step's wall time), and the last iteration's steps are split into
+host phases (schedule, prepare_inputs, plan, forward, sample, update).
 
 offline: ``--num-prompts`` prompts submitted at once and run to completion: output and total
 (input + output) tokens/s over the wall time; TTFT and TPOT percentiles per request.
@@ -190,6 +192,7 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
     from flotilla.cluster.engine.sampling_params import SamplingParams
     from flotilla.deploy.bench_env import describe_engine, environment, runner_startup_report
     from flotilla.deploy.bench_roofline import WeightBytes
+    from flotilla.deploy.bench_breakdown import decode_breakdown, run_latency, time_graph_replay
     from flotilla.deploy.bench_run import (
         StepClock, latency_results, offline_results, random_prompts, reset_prefix_cache, run_batch,
     )  # fmt: skip
@@ -217,12 +220,14 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
         pool = getattr(engine.scheduler, "pool", None)
         hits_before = (getattr(pool, "prefix_hit_tokens", 0), getattr(pool, "prefix_query_tokens", 0))
         if kind == "latency":
-            traces = []
-            for i in range(opts.num_iters):
-                prompts = random_prompts(batch, opts.input_len, engine.vocab_size, opts.seed + i)
-                traces.append(run_batch(engine, clock, prompts, params))
-                reset_prefix_cache(engine)
+            vocab = engine.vocab_size
+            batches = [random_prompts(batch, opts.input_len, vocab, opts.seed + i) for i in range(opts.num_iters)]
+            traces, phases = run_latency(engine, clock, batches, params)
             measured = latency_results(traces, weights, kv_bytes_per_token, peak, devices)
+            replay = time_graph_replay(engine.runner, batch)
+            measured["breakdown"] = decode_breakdown(
+                replay, measured["tpot_ms"]["p50"], phases, weights, kv_bytes_per_token, peak, devices
+            )
         else:
             prompts = random_prompts(batch, opts.input_len, engine.vocab_size, opts.seed)
             trace = run_batch(engine, clock, prompts, params)
@@ -283,6 +288,25 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _breakdown_lines(breakdown: dict[str, Any]) -> list[str]:
+    """Where a decode step's time goes: the graph replay alone against the step, host phases."""
+    step, replay = breakdown["step_wall_ms_p50"], breakdown["graph_replay_ms"]
+    if replay is None:
+        first = f"decode step p50 {_fmt(step, '.3f')} ms; graph replay not timed ({breakdown['graph_replay_reason']})"
+    else:
+        first = (
+            f"decode step p50 {_fmt(step, '.3f')} ms = graph replay {replay:.3f} ms on the device (bs "
+            f"{breakdown['graph_batch_size']}, MBU {_fmt(breakdown['graph_mbu'], '.3f')}) + "
+            f"{_fmt(breakdown['host_overhead_ms'], '.3f')} ms not overlapped"
+        )
+    phases = breakdown["host_phases_ms"]
+    if phases is None:
+        return [first, f"host phases not timed ({breakdown['host_phases_reason']})"]
+    named = ", ".join(f"{name} {ms:.3f}" for name, ms in phases.items())
+    steps = breakdown["host_phase_steps"]
+    return [first, f"host phases p50 ms over {steps} steps: {named} (on CUDA, sample includes the wait for the device)"]
+
+
 def format_summary(results: dict[str, Any]) -> str:
     """A few lines for the terminal; the JSON holds everything."""
     model, work, env, res = results["model"], results["workload"], results["environment"], results["flotilla"]
@@ -299,6 +323,7 @@ def format_summary(results: dict[str, Any]) -> str:
             f"TTFT p50 {_fmt(res['ttft_ms']['p50'], '.2f')} ms | TPOT p50 {_fmt(res['tpot_ms']['p50'], '.3f')} ms, "
             f"p90 {_fmt(res['tpot_ms']['p90'], '.3f')} ms | latency p50 {_fmt(res['latency_s']['p50'], '.3f')} s | "
             f"{res['output_tok_s']:.1f} output tok/s",
+            *_breakdown_lines(res["breakdown"]),
         ]
     else:
         lines += [

@@ -6,6 +6,9 @@ copied to the host, so its wall time covers the device work of the step. The run
 ``execute`` is wrapped (:class:`StepClock`) to record what each step held: how many sequences,
 how many new tokens, whether every sequence decoded one token (a decode-only step), and the
 context lengths its attention read.
+
+``bench latency`` also says where a decode step's time goes: see
+:mod:`flotilla.deploy.bench_breakdown`.
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ class StepClock:
         context = sum(it.start_position + it.num_new_tokens for it in items)
         self.last = (len(items), sum(it.num_new_tokens for it in items), decode, context)
         return self._execute(step, rows)
+
+    @property
+    def last_decode_only(self) -> bool:
+        """Whether the last step seen was a decode-only step."""
+        return self.last is not None and self.last[2]
 
     def close(self) -> None:
         if self.runner.__dict__.get("execute") == self._timed_execute:

@@ -24,7 +24,7 @@ _BACKEND_MODULES = {
         "flotilla.kernels.flashinfer_attention",
         "flotilla.kernels.flashinfer_mla",
     ),
-    "triton": ("flotilla.kernels.triton_moe",),
+    "triton": ("flotilla.kernels.triton_moe", "flotilla.kernels.triton_fp8"),
     "deep_gemm": ("deep_gemm", "flotilla.kernels.fp8"),
 }
 

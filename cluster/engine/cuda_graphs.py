@@ -261,6 +261,38 @@ class DecodeGraphs:
         self.num_replays += 1
         return self._logits[:n]
 
+    @torch.inference_mode()
+    def time_replay(self, num_seqs: int, iters: int = 50) -> float:
+        """Milliseconds of GPU time one replay of the graph a batch of ``num_seqs`` replays at
+        takes: ``iters`` back-to-back replays timed with CUDA events (after one untimed replay),
+        averaged. Call between steps (it waits for the device first); ValueError when no
+        captured size holds ``num_seqs`` or ``iters < 1``.
+
+        Every row replays as a padding row (token 0 at position 0, one token of context in the
+        scratch block), as at capture: nothing outside the scratch block is written, and the
+        time covers the weights and kernel launches, not a real batch's KV reads (nor its MoE
+        routing: identical rows pick the same experts). Not counted in :attr:`num_replays`;
+        the next :meth:`run` re-plans and refills the static buffers."""
+        bs = self.padded_size(num_seqs)
+        if bs is None or bs not in self._graphs:
+            raise ValueError(
+                f"no captured decode graph holds a batch of {num_seqs} (captured sizes {list(self.batch_sizes)})"
+            )
+        if iters < 1:
+            raise ValueError(f"iters must be at least 1, got {iters}")
+        torch.cuda.synchronize(self.device)  # NOTE: re-planning assumes the last step's plan copy has run
+        self._tokens[:, :bs].copy_(self._padding[:, :bs])
+        self.planner.plan(self._static_meta(bs), graph_batch_size=bs)
+        graph = self._graphs[bs]
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+
     def padded_meta(self, meta: AttentionMetadata, bs: int) -> AttentionMetadata:
         """Size ``bs``'s static metadata (the captured device views) carrying ``meta``'s CPU
         page layout padded to ``bs`` rows: what the planner plans before a replay. Each

@@ -6,13 +6,15 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from flotilla.cluster.models.dummy_weights import hf_tensor_shapes
 from flotilla.deploy.bench import shape_config, shape_names
 from flotilla.deploy.bench_roofline import WeightBytes, expected_distinct_experts
-from flotilla.deploy.bench_run import percentile
+from flotilla.deploy.bench_breakdown import HOST_PHASES, PhaseClock, decode_breakdown, time_graph_replay
+from flotilla.deploy.bench_run import StepClock, percentile
 from flotilla.deploy.cli import main
 from flotilla.resolution import ModelFacts, ServerArgs, resolve
 from flotilla.resolution.platform import PRESETS
@@ -86,6 +88,24 @@ def test_bench_latency_json(tiny_dir, tmp_path, capsys):
     # Context after decode step j is 12 + j (j = 1..5) per sequence: a mean of 2 * 15 tokens read.
     assert res["roofline"]["kv_bytes_per_step_mean"] == pytest.approx(30 * TINY_KV_BYTES_PER_TOKEN)
     _check_common(data, weights_per_step_rows=2)
+    _check_breakdown(res, printed)
+
+
+def _check_breakdown(res, printed):
+    """On CPU: no graph replay (and why), and the last iteration's 5 decode steps split into host phases."""
+    br = res["breakdown"]
+    assert br["graph_replay_ms"] is None and "not CUDA" in br["graph_replay_reason"]
+    assert br["host_overhead_ms"] is None and br["graph_mbu"] is None and br["graph_batch_size"] is None
+    assert br["step_wall_ms_p50"] == res["tpot_ms"]["p50"]
+    assert "graph replay not timed" in printed and "host phases p50 ms over 5 steps" in printed
+    phases, means, step = br["host_phases_ms"], br["host_phases_mean_ms"], br["host_step_ms"]
+    assert sorted(phases) == sorted(HOST_PHASES) == sorted(means) and br["host_phase_steps"] == step["count"] == 5
+    assert all(v >= 0 for v in [*phases.values(), *means.values()]) and phases["forward"] > 0
+    # NOTE: a step's phases add up to it (so do the means); each phase's p50 is at most the step's.
+    assert sum(means.values()) == pytest.approx(step["mean"], rel=1e-6)
+    assert all(v <= step["p50"] for v in phases.values())
+    # The phases are timed inside the benchmark's own step timing, over the last iteration's decode steps.
+    assert step["max"] <= res["tpot_ms"]["max"] and sum(means.values()) <= res["tpot_ms"]["max"]
 
 
 def test_bench_offline_json(tiny_dir, tmp_path, capsys):
@@ -196,6 +216,89 @@ def test_expected_distinct_experts():
     grown = [expected_distinct_experts(128, 8, b) for b in (1, 2, 8, 64, 512)]
     assert grown == sorted(grown) and grown[-1] == pytest.approx(128, rel=1e-3)
     assert expected_distinct_experts(0, 8, 4) == 0.0
+
+
+class _FakeTime:
+    """A perf_counter that only the fakes below advance."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def spend(self, ms):
+        self.now += ms / 1e3
+
+
+def _fake_engine(clock):
+    """An engine whose step calls what LLMEngine.step and ModelRunner call, each spending fixed time."""
+    item = SimpleNamespace(num_new_tokens=1, start_position=5, request=SimpleNamespace(num_prompt_tokens=4))
+    planner = SimpleNamespace(plan=lambda meta, graph_batch_size=None: clock.spend(0.2))
+    runner = SimpleNamespace(planner=planner, graphs=None, graphs_off_reason="off")
+    runner.prepare_inputs = lambda step: clock.spend(0.5)
+    runner.step_logits = lambda step: (runner.prepare_inputs(step), runner.planner.plan(None), clock.spend(3.0))
+    runner.execute = lambda step, rows: (runner.step_logits(step), clock.spend(4.0))
+    scheduler = SimpleNamespace(schedule=lambda: (clock.spend(0.1), SimpleNamespace(scheduled=[item]))[1])
+    engine = SimpleNamespace(runner=runner, scheduler=scheduler)
+    engine.step = lambda: (runner.execute(engine.scheduler.schedule(), []), clock.spend(0.7))
+    return engine
+
+
+def test_phase_clock_splits_a_step_and_unwraps(monkeypatch):
+    from flotilla.deploy import bench_breakdown
+
+    fake_time = _FakeTime()
+    monkeypatch.setattr(bench_breakdown, "time", fake_time)
+    engine = _fake_engine(fake_time)
+    originals = (engine.step, engine.scheduler.schedule, engine.runner.step_logits, engine.runner.planner.plan)
+    steps = StepClock(engine.runner)
+    timed_execute = engine.runner.execute
+    with PhaseClock(engine, steps) as phases:
+        engine.step()
+        engine.step()
+    assert phases.reason is None and len(phases.records) == 2
+    want = {"schedule": 0.1, "prepare_inputs": 0.5, "plan": 0.2, "forward": 3.0, "sample": 4.0, "update": 0.7}
+    report = phases.report()
+    assert report["host_phases_ms"] == pytest.approx(want) and report["host_phases_mean_ms"] == pytest.approx(want)
+    assert report["host_step_ms"]["p50"] == pytest.approx(8.5) and report["host_phase_steps"] == 2
+    # Unwrapped on exit: the originals are back, and the StepClock's wrapper under it.
+    assert (engine.step, engine.scheduler.schedule, engine.runner.step_logits, engine.runner.planner.plan) == originals
+    assert engine.runner.execute == timed_execute
+
+    # A runner stepping in other processes (no step_logits): nothing wrapped, and the report says why.
+    group = SimpleNamespace(runner=SimpleNamespace(execute=lambda step, rows: []), scheduler=engine.scheduler, step=None)
+    with PhaseClock(group, StepClock(group.runner)) as idle:
+        assert group.step is None
+    assert idle.report()["host_phases_ms"] is None and "no step_logits" in idle.report()["host_phases_reason"]
+
+
+def test_decode_breakdown_against_a_graph_replay():
+    weights = WeightBytes.from_config(TINY, element_size=4)
+    replays = []
+
+    class Graphs:
+        max_bs = 8
+
+        def padded_size(self, n):
+            return 4 if n <= 4 else 8 if n <= 8 else None
+
+        def time_replay(self, n, iters):
+            replays.append((n, iters))
+            return 2.0
+
+    runner = SimpleNamespace(graphs=Graphs())
+    replay = time_graph_replay(runner, 3, iters=7)
+    assert replays == [(3, 7)] and replay == {
+        "graph_replay_ms": 2.0, "graph_batch_size": 4, "graph_replay_iters": 7, "graph_replay_reason": None,
+    }  # fmt: skip
+    out = decode_breakdown(replay, 2.5, PhaseClock(SimpleNamespace(runner=runner), None), weights, 100, 1e9, 1)
+    graph_bytes = weights.per_step(1) + 4 * 100
+    assert out["host_overhead_ms"] == pytest.approx(0.5) and out["graph_bytes"] == pytest.approx(graph_bytes)
+    assert out["graph_mbu"] == pytest.approx(graph_bytes / 2e-3 / 1e9)
+    assert "above the largest captured" in time_graph_replay(runner, 9)["graph_replay_reason"]
+    off = time_graph_replay(SimpleNamespace(graphs=None, graphs_off_reason="device='cpu' is not CUDA"), 1)
+    assert off["graph_replay_ms"] is None and off["graph_replay_reason"] == "device='cpu' is not CUDA"
 
 
 def test_percentile_interpolates():

@@ -158,12 +158,12 @@ def test_triton_fp8_linear_matches_dequantized_reference(m, n, k):
     # bfloat16 activations by bfloat16-widened weights in float32 and rounds the output once
     # (2^-9 relative), the accumulation order differs: 1e-2 of |y| plus 1e-3 of max|y|.
     pytest.importorskip("triton")
-    from flotilla.kernels import triton_moe
+    from flotilla.kernels import triton_fp8
 
     weight, scale_inv = _fp8_weight(n, k, seed=m + n + k)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
-    got = triton_moe.fp8_block_linear(x, weight, scale_inv, bias)
+    got = triton_fp8.fp8_block_linear(x, weight, scale_inv, bias)
     want = fp8.fp8_block_linear(x.float(), weight, scale_inv, bias.float())
     diff = (got.float() - want).abs()
     bound = 1e-2 * want.abs() + 1e-3 * want.abs().max()
