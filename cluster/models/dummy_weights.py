@@ -10,6 +10,11 @@ independently), and greedy outputs can be compared across layouts.
 
 Values: normal(0, ``initializer_range``) for matrices, ones for norm weights, zeros
 for biases; each tensor's generator is seeded from ``seed`` and its name.
+
+NOTE: the values are drawn on the ``device`` the model loads to (fast for an 8B shape on a GPU),
+and CUDA's generator gives other numbers than the CPU's for the same seed: a CPU model and a GPU
+model built this way differ. To compare them, draw on the CPU and move the tensors (the GPU
+tests do, see tests/gpu/models.py).
 """
 
 from __future__ import annotations

