@@ -17,6 +17,7 @@ The running rank is pinned to the session's first simulated node and joiners to 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -92,13 +93,25 @@ def test_elastic_engine_starts_as_a_growable_one_rank_group(engine):
     assert (engine.runner.ep_size, engine.runner.dp_size, engine.scheduler.dp_size) == (1, 1, 1)
 
 
+def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    """Block until ``actor`` (just ``ray.kill``-ed) fails its calls. NOTE: ray.kill is asynchronous:
+    a call sent right after it can still be served by the live actor."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.ping.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers its calls"
+        time.sleep(0.1)
+
+
 def test_a_joiner_killed_before_the_commit_leaves_the_old_size(engine, model, oracle):
     _, joiner_config, _, prompts = model
     joiners = engine.runner.prepare_join(joiner_config, 2, JOIN_TIMEOUT_S)
     joiner = joiners.actors[0]
     ray.kill(joiner, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(joiner.ping.remote(), timeout=30)
+    _wait_until_dead(joiner)
     with pytest.raises(ElasticJoinError, match="joining rank 1"):
         engine.commit_elastic_join(joiners)
     assert (engine.runner.ep_size, engine.scheduler.dp_size) == (1, 1)
