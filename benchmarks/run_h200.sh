@@ -4,6 +4,7 @@
 #   benchmarks/run_h200.sh part1 OUTDIR   # Llama-3.1-8B shape: latency bs1 128/512, offline 512 x 1000/1000
 #   benchmarks/run_h200.sh part2 OUTDIR   # Qwen3-30B-A3B: latency bs1, offline 256 x 1000/1000; Qwen3-8B latency bs1
 #   benchmarks/run_h200.sh part3 OUTDIR   # DeepSeek-V2-Lite latency bs1; HF peer (Llama-3.1-8B): eager bs1, bs64, static+compiled bs1
+#   benchmarks/run_h200.sh profile OUTDIR # kernel-by-kernel GPU time of a batch-1 decode step (Llama-3.1-8B, Qwen3-30B-A3B)
 #   benchmarks/run_h200.sh tp2 OUTDIR     # 2x H200 only: Llama-3.1-8B latency bs1 at TP=2 (compare with part1's TP=1)
 #
 # Each part is sized to finish in under 9 minutes with a warm flashinfer JIT cache; the first
@@ -16,8 +17,8 @@
 # bounds each command in seconds.
 set -uo pipefail
 
-part="${1:?usage: run_h200.sh part1|part2|part3|tp2 OUTDIR}"
-out="${2:?usage: run_h200.sh part1|part2|part3|tp2 OUTDIR}"
+part="${1:?usage: run_h200.sh part1|part2|part3|profile|tp2 OUTDIR}"
+out="${2:?usage: run_h200.sh part1|part2|part3|profile|tp2 OUTDIR}"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
 limit="${BENCH_TIMEOUT:-480}"
@@ -93,12 +94,19 @@ part3)
     bench offline-llama-3.1-8b-64x128-256 offline --shape llama-3.1-8b --dtype bfloat16 \
         --num-prompts 64 --input-len 128 --output-len 256
     ;;
+profile)
+    # Where a batch-1 decode step's GPU time goes, kernel by kernel (graph replay under torch's profiler).
+    run profile-llama-3.1-8b-bs1 "$py" benchmarks/decode_profile.py --shape llama-3.1-8b --batch-size 1 \
+        --json "$out/profile-llama-3.1-8b-bs1.json"
+    run profile-qwen3-30b-a3b-bs1 "$py" benchmarks/decode_profile.py --shape qwen3-30b-a3b --batch-size 1 \
+        --json "$out/profile-qwen3-30b-a3b-bs1.json"
+    ;;
 tp2)
     bench latency-llama-3.1-8b-bs1-128-512-tp2 latency --shape llama-3.1-8b --dtype bfloat16 --tp 2 \
         --batch-size 1 --input-len 128 --output-len 512 --num-iters 3 --warmup-steps 16
     ;;
 *)
-    echo "run_h200.sh: unknown part '$part' (part1, part2, part3, tp2)" >&2
+    echo "run_h200.sh: unknown part '$part' (part1, part2, part3, profile, tp2)" >&2
     exit 2
     ;;
 esac

@@ -152,7 +152,11 @@ def time_graph_replay(runner: Any, batch_size: int, iters: int = REPLAY_ITERS) -
                 f"the runner ({type(runner).__name__}) holds no decode CUDA graphs in this process"
             )
         return {"graph_replay_ms": None, "graph_batch_size": None, "graph_replay_iters": 0, "graph_replay_reason": why}
-    ms = graphs.time_replay(batch_size, iters)
+    try:
+        ms = graphs.time_replay(batch_size, iters)
+    except Exception as exc:  # NOTE: a diagnostic must not cost the run its measured results
+        return {"graph_replay_ms": None, "graph_batch_size": size, "graph_replay_iters": 0,
+                "graph_replay_reason": f"timing the replay failed: {exc!r}"}  # fmt: skip
     return {"graph_replay_ms": ms, "graph_batch_size": size, "graph_replay_iters": iters, "graph_replay_reason": None}
 
 

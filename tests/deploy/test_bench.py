@@ -325,3 +325,22 @@ def test_hf_peer_bench_on_cpu(tmp_path):
         assert (row["batch_size"], row["output_len"], row["output_tokens"]) == (batch, new, batch * new)
         assert row["output_tok_s"] * row["wall_s"] == pytest.approx(batch * new)
         assert row["ms_per_token"] == pytest.approx(1e3 * row["wall_s"] / new)
+
+
+def test_decode_profile_on_cpu(tmp_path, capsys):
+    """The kernel profile script end to end on a tiny model (on CPU it counts CPU ops: no graphs,
+    eager steps); families partition the per-step time."""
+    spec = importlib.util.spec_from_file_location("decode_profile", REPO / "benchmarks" / "decode_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "profile.json"
+    assert profile.main(["--model", str(tmp_path), "--dtype", "float32", "--replays", "3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["mode"], data["steps"], data["batch_size"]) == ("eager steps", 3, 1)
+    assert data["kernel_ms_per_step"] > 0
+    assert sum(data["families_ms"].values()) == pytest.approx(data["kernel_ms_per_step"])
+    assert data["families_ms"]["gemm"] > 0  # the tiny Llama's linear layers
+    assert profile.family_of("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>") == "attention"
+    assert profile.family_of("fused_moe_kernel") == "moe" and profile.family_of("nvjet_tst_64x8") == "gemm"
+    assert "kernel time per step" in capsys.readouterr().out
