@@ -21,23 +21,11 @@ Text comes from the engine's own incremental detokenizer and stop-string matchin
 engine holds the tokenizer); ``stream_interval > 1`` (``--stream-interval``) batches that
 many tokens per chunk, except the first chunk and finishes, which go out at once.
 
-Prefill/decode disaggregation (:mod:`flotilla.serve.pd`) adds three commands, applied on
-the same thread:
-
-- :meth:`AsyncEngine.prefill` runs the prompt with ``max_tokens=1`` and ``hold_kv=True``;
-  when it finishes the thread grants a :class:`~flotilla.serve.kv_transfer.BlockLeases`
-  lease on its blocks and answers a :class:`PrefillOutcome`. A lease ends by
-  :meth:`AsyncEngine.release_kv` or by expiring: the idle thread wakes for the next
-  deadline, so blocks of a reader that never came back are freed on time.
-- :meth:`AsyncEngine.generate_prefilled` (decode side) connects the runner to the
-  ticket's KV peer (once per peer id), then ``LLMEngine.add_prefilled_request`` reads the
-  prefill blocks through ``runner.kv_read`` (timed and counted in the ``kv_transfer``
-  metrics) and streams like :meth:`AsyncEngine.generate`.
-- Small calls (release, the ``fail_next_reads`` test seam) run as :class:`_Call` s.
-
-Elastic EP (:mod:`flotilla.cluster.elastic`): :meth:`AsyncEngine.grow_elastic_ep` has the
-runner's joiners load on a helper thread while the engine thread keeps stepping, then runs
-the commit as a :class:`_Call`: between two steps, so the pause is the commit alone.
+Prefill/decode disaggregation adds three commands (:meth:`AsyncEngine.prefill`,
+:meth:`AsyncEngine.generate_prefilled`, :meth:`AsyncEngine.release_kv`), applied on the
+same thread; they live in :mod:`flotilla.serve.async_engine_pd`. Elastic EP
+(:meth:`AsyncEngine.grow_elastic_ep`) lives in :mod:`flotilla.serve.async_engine_elastic`.
+The commands themselves are in :mod:`flotilla.serve.async_engine_commands`.
 
 No error path leaks a block or leaves a caller waiting: a prefill whose caller leaves
 is aborted (or its lease released, when it already finished), a failed prefill frees
@@ -48,7 +36,6 @@ answers every queued command and frees every lease.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import threading
@@ -57,13 +44,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from flotilla.cluster.elastic import ElasticJoinError, JoinReport
-from flotilla.cluster.engine.kv_handoff import KVHandoffError, check_policy
+from flotilla.cluster.engine.kv_handoff import KVHandoffError
 from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
 from flotilla.cluster.engine.outputs import CompletionDelta
 from flotilla.cluster.engine.request import RequestStatus
-from flotilla.serve.kv_transfer import BlockLeases
-from flotilla.serve.pd import ends_at_first_token, takes_handoff
+from flotilla.serve.async_engine_commands import _Abort, _Add, _AddPrefilled, _Call, _Command, _Prefill, _Stream
+from flotilla.serve.async_engine_elastic import ElasticEPCommands
+from flotilla.serve.async_engine_pd import KVHandoff, KVTransferExpired, PDCommands, PrefillOutcome
 from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.types import (
     CompletionChunk,
@@ -71,9 +58,11 @@ from flotilla.serve.types import (
     EngineUnavailableError,
     GenerateChunk,
     GenerateRequest,
-    PrefillTicket,
     ReplicaLoad,
 )
+
+# NOTE: PrefillOutcome and KVTransferExpired are re-exported: they are part of this module's API.
+__all__ = ["AsyncEngine", "KVTransferExpired", "PrefillOutcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,109 +72,6 @@ IDLE_WAIT_S = 1.0
 RECENT_PREFIX_KEYS = 256
 # How long shutdown() waits for the engine thread to finish its step.
 SHUTDOWN_WAIT_S = 60.0
-# KV peers (prefill engine incarnations) a decode engine stays connected to; the least
-# recently used one is forgotten beyond this (a restarted prefill replica is a new peer).
-MAX_KV_PEERS = 64
-# The decode side reads a ticket's blocks only while the request is younger than this
-# fraction of the ticket's lease (the lease started after the request's arrival, so a
-# younger request's lease has not expired; the rest is margin for the read itself and
-# for clock skew between nodes). Older: the KV counts as lost (the failure policy applies).
-LEASE_READ_FRACTION = 0.9
-
-
-@dataclass(eq=False)
-class _Stream:
-    """Where one request's chunks go: a queue owned by the event loop that called generate()."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
-@dataclass(eq=False)
-class _Add:
-    engine_id: str
-    request: GenerateRequest
-    stream: _Stream
-    submitted: float  # time.monotonic() when generate() queued it
-    arrival_wall: float  # time.time() of arrival (the ingress's, else generate()'s)
-
-
-@dataclass(eq=False)
-class _Prefill(_Add):
-    """Prefill side: run the prompt for one token and hold its KV under a lease."""
-
-    lease_s: float = 0.0
-
-
-@dataclass(eq=False)
-class _AddPrefilled(_Add):
-    """Decode side: a request whose prompt's KV is read from ``ticket``'s peer."""
-
-    ticket: PrefillTicket | None = None
-    policy: str = "recompute"
-    timeout_s: float = 30.0
-
-
-@dataclass(eq=False)
-class _Abort:
-    engine_id: str
-
-
-@dataclass(eq=False)
-class _Call:
-    """Run ``fn()`` on the engine thread; its result (or exception) goes to ``stream``."""
-
-    fn: Callable[[], Any]
-    stream: _Stream
-
-
-_Command = _Add | _Abort | _Call
-
-
-@dataclass
-class PrefillOutcome:
-    """What :meth:`AsyncEngine.prefill` computed: a prompt whose KV blocks the prefill
-    engine holds under a lease (the engine side of a
-    :class:`~flotilla.serve.types.PrefillTicket`).
-
-    Attributes:
-        prefill_request_id: the engine's id for the held blocks (release them under it).
-        first_token: the token sampled after the prompt.
-        block_ids: the blocks holding the prompt's KV, in position order.
-        finish_reason: ``"length"`` (decoding goes on elsewhere) or ``"stop"`` (the first
-            token ends the completion).
-        chunk: the prefill's final chunk (the first token, its text, usage).
-    """
-
-    prefill_request_id: str
-    first_token: int
-    block_ids: list[int]
-    finish_reason: str
-    chunk: GenerateChunk
-
-    def ticket(
-        self, request: GenerateRequest, replica_id: str, peer_id: str, peer_metadata: list[bytes], lease_s: float
-    ) -> PrefillTicket:
-        """The :class:`PrefillTicket` a decode engine needs, for ``request`` prefilled by
-        replica ``replica_id`` whose KV endpoint is ``peer_id`` (``peer_metadata``: per rank)."""
-        return PrefillTicket(
-            request_id=request.request_id,
-            prefill_request_id=self.prefill_request_id,
-            replica_id=replica_id,
-            peer_id=peer_id,
-            peer_metadata=list(peer_metadata),
-            prompt_token_ids=list(request.prompt_token_ids),
-            first_token=self.first_token,
-            block_ids=list(self.block_ids),
-            finish_reason=self.finish_reason,
-            chunk=self.chunk,
-            lease_s=lease_s,
-        )
-
-
-class KVTransferExpired(RuntimeError):
-    """A ticket's blocks were not read: the request is too old for its lease to be sure
-    to hold (see :data:`LEASE_READ_FRACTION`); the failure policy applies."""
 
 
 @dataclass(eq=False)
@@ -204,7 +90,7 @@ class _Live:
     finished_indexes: set[int] = field(default_factory=set)
 
 
-class AsyncEngine:
+class AsyncEngine(PDCommands, ElasticEPCommands):
     """Runs an :class:`LLMEngine` on its own thread and streams its requests to asyncio
     callers; implements :class:`~flotilla.serve.types.EngineClient`.
 
@@ -216,9 +102,11 @@ class AsyncEngine:
         retry_after_s: the ``Retry-After`` hint of :class:`EngineOverloadedError`.
         pool: the ``pool`` label of the metrics (``colocated``, ``prefill``, ``decode``).
 
-    The PD commands (:meth:`prefill`, :meth:`generate_prefilled`) need a runner with a KV
+    The PD commands (:meth:`prefill`, :meth:`generate_prefilled`, mixed in from
+    :class:`~flotilla.serve.async_engine_pd.PDCommands`) need a runner with a KV
     endpoint attached (``runner.kv_attach``; :class:`~flotilla.serve.engine_replica.EngineReplica`
-    does it in the ``prefill`` and ``decode`` pools).
+    does it in the ``prefill`` and ``decode`` pools). The elastic EP commands are mixed in
+    from :class:`~flotilla.serve.async_engine_elastic.ElasticEPCommands`.
     """
 
     def __init__(
@@ -257,10 +145,8 @@ class AsyncEngine:
         self._unscheduled: set[str] = set()
         self._orphans: list[_Command] = []
         self._prefix_seen = (0, 0)
-        # Engine-thread state of the KV handoff. NOTE: BlockLeases holds the leased blocks;
-        # the deadlines are kept here too, so the idle thread knows when to wake.
-        self._leases = BlockLeases()
-        self._kv_peers: OrderedDict[str, None] = OrderedDict()
+        # Engine-thread state of the KV handoff (leases, KV peers).
+        self._handoff = KVHandoff(engine, self.metrics, lambda: self._publish_load(0))
         self._publish_load(0)
         self._thread = threading.Thread(target=self._run, name=f"flotilla-engine-{replica_id}", daemon=True)
         self._thread.start()
@@ -299,145 +185,6 @@ class AsyncEngine:
         engine_id, stream = self._enqueue(request, _Add)
         async for chunk in self._chunks(engine_id, stream):
             yield chunk
-
-    async def prefill(self, request: GenerateRequest, lease_s: float) -> PrefillOutcome:
-        """Compute the prompt's KV and first token, and hold the KV blocks for a decode
-        engine to read (prefill side of a KV handoff).
-
-        The request runs with ``n=1`` and ``max_tokens=1`` (its other sampling parameters
-        as given); its blocks stay held under a lease of ``lease_s`` seconds, until
-        :meth:`release_kv` or the lease expires. Raises like :meth:`generate` (``ValueError``,
-        :class:`EngineOverloadedError`, :class:`EngineUnavailableError`, also when the
-        engine dies meanwhile). Cancelling the call aborts the prefill (or releases its
-        blocks, when it finished already).
-        """
-        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not lease_s > 0:
-            raise ValueError(f"lease_s must be a positive number of seconds (got lease_s={lease_s!r})")
-        params = dataclasses.replace(request.params, n=1, max_tokens=1)
-        engine_id, stream = self._enqueue(dataclasses.replace(request, params=params), _Prefill, lease_s=float(lease_s))
-        answered = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    answered = True
-                    raise item
-                if isinstance(item, PrefillOutcome):
-                    answered = True
-                    return item
-                if item.finished:
-                    # NOTE: a final chunk instead of an outcome: the engine died under it.
-                    answered = True
-                    raise EngineUnavailableError(f"the prefill failed: {item.error or 'the engine stopped'}")
-        finally:
-            if not answered:
-                self._submit(_Abort(engine_id))
-
-    async def release_kv(self, prefill_request_id: str) -> bool:
-        """End the lease of a :meth:`prefill` and free its blocks; False when there is
-        none (never granted, released already, expired, or the engine is gone)."""
-        try:
-            return await self._call(lambda: self._release_lease(str(prefill_request_id)))
-        except EngineUnavailableError:
-            return False
-
-    async def generate_prefilled(
-        self, request: GenerateRequest, ticket: PrefillTicket, policy: str = "recompute", timeout_s: float = 30.0
-    ) -> AsyncIterator[GenerateChunk]:
-        """Stream a request whose prompt a prefill engine computed (decode side of a KV
-        handoff): the engine allocates blocks, reads the ticket's blocks from its peer
-        (``runner.kv_read``, bounded by ``timeout_s``), takes the ticket's first token as
-        the completion's first and decodes on. Chunks, errors and aborts as :meth:`generate`.
-
-        When the connect or the read fails, ``policy`` decides: ``"recompute"`` computes the
-        prompt here (the stream shows no error; ``kv_transfer_failures_total`` counts it),
-        ``"fail"`` raises :class:`~flotilla.cluster.engine.kv_handoff.KVHandoffError` before
-        any chunk. A request older than :data:`LEASE_READ_FRACTION` of the ticket's lease
-        (from its ``arrival_time``) is not read at all (its blocks may be gone) and goes
-        through the policy the same way.
-        When the ticket already answers the request (:func:`ends_at_first_token`) its chunk
-        is the stream. Requests a handoff cannot carry (``n > 1``, ``logprobs``) run here as
-        ordinary requests, prompt included; the ticket is not used.
-        """
-        check_policy(policy)
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds (got timeout_s={timeout_s!r})")
-        if not takes_handoff(request.params):
-            async for chunk in self.generate(request):
-                yield chunk
-            return
-        if list(ticket.prompt_token_ids) != list(request.prompt_token_ids):
-            raise ValueError(
-                f"ticket: the ticket of request {ticket.request_id!r} holds another prompt than request "
-                f"{request.request_id!r} ({len(ticket.prompt_token_ids)} vs {len(request.prompt_token_ids)} tokens)"
-            )
-        if ends_at_first_token(request, ticket):
-            self.metrics.record_finished(ticket.finish_reason or "length")
-            yield ticket.chunk
-            return
-        engine_id, stream = self._enqueue(
-            request, _AddPrefilled, ticket=ticket, policy=policy, timeout_s=float(timeout_s)
-        )
-        async for chunk in self._chunks(engine_id, stream):
-            yield chunk
-
-    # -- elastic EP --------------------------------------------------------------------
-
-    @property
-    def ep_size(self) -> int:
-        """The engine group's current EP size (1 for an engine that is not expert-parallel)."""
-        return int(getattr(self.engine.runner, "ep_size", 1))
-
-    def dp_rank_requests(self) -> list[int]:
-        """Requests admitted to each DP rank so far (index: DP rank; one entry without DP attention)."""
-        with self._cond:
-            return list(self._dp_rank_requests)
-
-    async def grow_elastic_ep(self, joiner_config: Any, new_size: int, timeout_s: float) -> JoinReport:
-        """Grow the engine group to ``new_size`` EP ranks while it serves (elastic EP).
-
-        The joining ranks (resolved as ``joiner_config``) get a placement group and load on a
-        helper thread, bounded by ``timeout_s``, while this engine keeps stepping; then the
-        commit runs on the engine thread between two steps (the only pause). Raises
-        ElasticJoinError when the join failed (the engine serves on at its old size, joiners
-        gone) and EngineUnavailableError when the engine is down. A caller that leaves early
-        does not leak joiners: they are dropped once loaded.
-        """
-        prepare = getattr(self.engine.runner, "prepare_join", None)
-        if prepare is None:
-            raise ElasticJoinError(
-                "this engine cannot grow: start it with --elastic-ep-backend ray and --max-ep-size above its size"
-            )
-        with self._cond:
-            self._raise_if_unavailable()
-        runner, old_size, started = self.engine.runner, self.ep_size, time.monotonic()
-        future = asyncio.get_running_loop().run_in_executor(None, prepare, joiner_config, new_size, timeout_s)
-        try:
-            joiners = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(lambda f: f.exception() is None and runner.abort_join(f.result()))
-            raise
-        prepared = time.monotonic()
-        try:
-            pause = await self._call(lambda: self._commit_join(joiners))
-        finally:
-            # NOTE: idempotent; after a commit the joiners belong to the group and this is a no-op
-            # (a failed commit already dropped them).
-            if self.ep_size != new_size:
-                runner.abort_join(joiners)
-        return JoinReport(old_size, new_size, prepared - started, pause, time.monotonic() - started)
-
-    def _commit_join(self, joiners: Any) -> float:
-        """Engine thread, between steps: grow the engine; returns the pause in seconds."""
-        started = time.perf_counter()
-        self.engine.commit_elastic_join(joiners)
-        with self._cond:
-            self._dp_rank_requests += [0] * (self.engine.runner.dp_size - len(self._dp_rank_requests))
-        return time.perf_counter() - started
-
-    async def kv_set_fail_next_reads(self, n: int) -> None:
-        """Test seam: make the runner's next ``n`` KV reads fail (on every local rank)."""
-        await self._call(lambda: self.engine.runner.kv_set_fail_next_reads(int(n)))
 
     def _enqueue(self, request: GenerateRequest, kind: type[_Add], **extra: Any) -> tuple[str, _Stream]:
         """Queue an add command of ``kind`` under the queue bound; its id and stream."""
@@ -571,8 +318,8 @@ class AsyncEngine:
                     self._emit(pending, time.monotonic())
                 if commands or self.engine.has_unfinished_requests():
                     self._step()
-                if self._leases:
-                    self._expire_leases()
+                if self._handoff.leases:
+                    self._handoff.expire_leases()
                 if self.engine.dead is not None:
                     self._die(str(self.engine.dead))
                     return
@@ -588,8 +335,8 @@ class AsyncEngine:
         with self._cond:
             while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                 wait_s = IDLE_WAIT_S
-                if self._leases:
-                    due_in = self._leases.next_deadline() - time.monotonic()
+                if self._handoff.leases:
+                    due_in = self._handoff.leases.next_deadline() - time.monotonic()
                     if due_in <= 0:
                         break
                     wait_s = min(wait_s, due_in)
@@ -610,9 +357,9 @@ class AsyncEngine:
                     self._answer(command)
                 elif command.engine_id in self._live:
                     self.engine.abort(command.engine_id)
-                elif command.engine_id in self._leases:
+                elif command.engine_id in self._handoff.leases:
                     # NOTE: a prefill whose caller left after it finished: nobody will read it.
-                    self._release_lease(command.engine_id)
+                    self._handoff.release_lease(command.engine_id)
             except Exception:
                 # NOTE: the loop dies; the commands not applied yet must still get an answer.
                 self._orphans = [c for c in commands[index + 1 :] if isinstance(c, (_Add, _Call))]
@@ -630,7 +377,7 @@ class AsyncEngine:
         request = command.request
         try:
             if isinstance(command, _AddPrefilled):
-                self._add_prefilled(command)
+                self._handoff.add_prefilled(command)
             else:
                 hold_kv = isinstance(command, _Prefill)
                 self.engine.add_request(
@@ -659,114 +406,6 @@ class AsyncEngine:
         self._live[command.engine_id] = _Live(command, children)
         self._unscheduled.add(command.engine_id)
 
-    # -- the KV handoff (engine thread) ----------------------------------------------------
-
-    def _add_prefilled(self, command: _AddPrefilled) -> None:
-        """Queue a prefilled request: connect to its peer, then let the engine copy the
-        blocks in (``policy`` applies to a failed connect as to a failed read)."""
-        request, ticket = command.request, command.ticket
-        try:
-            self._connect_peer(ticket.peer_id, ticket.peer_metadata)
-        except Exception as exc:  # noqa: BLE001 - any connect failure goes through the policy
-            self.metrics.kv_transfer_failures.inc()
-            logger.warning(
-                "replica %s: connecting to KV peer %r failed (%s: %s)",
-                self.metrics.replica_id, ticket.peer_id, type(exc).__name__, exc,
-            )
-            if command.policy == "fail":
-                raise KVHandoffError(
-                    f"request {request.request_id!r}: connecting to the prefill replica's KV endpoint "
-                    f"{ticket.peer_id!r} failed ({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
-                ) from exc
-            self.engine.add_request(request.prompt_token_ids, request.params, request_id=command.engine_id)
-            return
-
-        def copy_blocks(src: list[int], dst: list[int]) -> None:
-            # NOTE: blocks past their lease may be freed and reused on the prefill side:
-            # reading them would decode from someone else's KV without an error.
-            age_s = time.time() - command.arrival_wall
-            if age_s >= LEASE_READ_FRACTION * ticket.lease_s:
-                self.metrics.kv_transfer_failures.inc()
-                raise KVTransferExpired(
-                    f"request {request.request_id!r} arrived {age_s:.1f} s ago: the prefill replica's "
-                    f"{ticket.lease_s} s lease on its KV blocks may have ended; not reading them"
-                )
-            self._read_blocks(ticket.peer_id, src, dst, command.timeout_s)
-
-        self.engine.add_prefilled_request(
-            request.prompt_token_ids,
-            ticket.first_token,
-            ticket.block_ids,
-            copy_blocks,
-            request.params,
-            request_id=command.engine_id,
-            policy=command.policy,
-        )
-
-    def _connect_peer(self, peer_id: str, peer_metadata: list[bytes]) -> None:
-        """Connect the runner to a prefill engine's KV endpoint, once per peer id."""
-        if peer_id in self._kv_peers:
-            self._kv_peers.move_to_end(peer_id)
-            return
-        self.engine.runner.kv_connect(peer_id, list(peer_metadata))
-        self._kv_peers[peer_id] = None
-        while len(self._kv_peers) > MAX_KV_PEERS:
-            old, _ = self._kv_peers.popitem(last=False)
-            try:
-                self.engine.runner.kv_forget(old)
-            except Exception:  # noqa: BLE001 - a peer that cannot be forgotten costs memory only
-                logger.debug("replica %s: forgetting KV peer %r failed", self.metrics.replica_id, old, exc_info=True)
-
-    def _read_blocks(self, peer_id: str, src: list[int], dst: list[int], timeout_s: float) -> None:
-        """``copy_blocks`` of a KV handoff: ``runner.kv_read``, timed and counted."""
-        if not src:
-            return
-        started = time.monotonic()
-        try:
-            moved = self.engine.runner.kv_read(peer_id, list(src), list(dst), timeout_s)
-        except Exception as exc:
-            self.metrics.kv_transfer_failures.inc()
-            logger.warning(
-                "replica %s: reading %d KV blocks from peer %r failed (%s: %s)",
-                self.metrics.replica_id, len(src), peer_id, type(exc).__name__, exc,
-            )
-            raise
-        self.metrics.record_kv_transfer(int(moved or 0), time.monotonic() - started)
-
-    def _finish_prefill(self, command: _Prefill, chunk: GenerateChunk) -> PrefillOutcome | Exception:
-        """A prefill finished: lease its blocks and answer the outcome, or free them and
-        answer the error."""
-        completion = next((c for c in chunk.completions if c.index == 0), None)
-        reason = None if completion is None else completion.finish_reason
-        blocks = self.engine.held_kv_blocks(command.engine_id)
-        if reason in ("length", "stop") and blocks and completion.token_ids:
-            self._leases.grant(command.engine_id, blocks, command.lease_s)
-            return PrefillOutcome(command.engine_id, completion.token_ids[0], blocks, reason, chunk)
-        self.engine.release_kv(command.engine_id)
-        return EngineUnavailableError(
-            f"the prefill of request {command.request.request_id!r} ended with {reason!r}: {chunk.error or 'no token'}"
-        )
-
-    def _release_lease(self, prefill_request_id: str) -> bool:
-        """End a lease and free its blocks; False when there is none."""
-        if self._leases.release(prefill_request_id) is None:
-            return False
-        released = self.engine.release_kv(prefill_request_id)
-        self._publish_load(0)
-        return released
-
-    def _expire_leases(self) -> None:
-        """Free the blocks of every lease past its deadline (nobody read and released them)."""
-        expired = self._leases.expire()
-        for prefill_request_id in expired:
-            logger.warning(
-                "replica %s: the KV lease of %s expired unreleased; freeing its blocks",
-                self.metrics.replica_id, prefill_request_id,
-            )
-            self.engine.release_kv(prefill_request_id)
-        if expired:
-            self._publish_load(0)
-
     def _step(self) -> None:
         started = time.monotonic()
         self._emit(self.engine.step(), started)
@@ -788,7 +427,7 @@ class AsyncEngine:
             if chunk is not None and isinstance(live.add, _Prefill):
                 # NOTE: a prefill answers once, when it finished, with its outcome.
                 if chunk.finished:
-                    out.append((engine_id, live.add.stream, self._finish_prefill(live.add, chunk)))
+                    out.append((engine_id, live.add.stream, self._handoff.finish_prefill(live.add, chunk)))
             elif chunk is not None:
                 out.append((engine_id, live.add.stream, chunk))
         self._record_prefix_cache()
@@ -886,7 +525,7 @@ class AsyncEngine:
             self._snapshot = snapshot
             queued = self._queued_adds
         self.metrics.set_load(snapshot[0], snapshot[1] + queued, snapshot[2], scheduler.pool.num_used_blocks)
-        self.metrics.kv_transfer_leased_blocks.set(self._leases.num_blocks)
+        self.metrics.kv_transfer_leased_blocks.set(self._handoff.leases.num_blocks)
 
     def _die(self, reason: str, dead: bool = True) -> None:
         """Fail every request still held and every queued add; refuse new requests."""
@@ -902,11 +541,7 @@ class AsyncEngine:
                 out.append((command.engine_id, command.stream, EngineUnavailableError(reason)))
             elif isinstance(command, _Call):
                 out.append(("", command.stream, EngineUnavailableError(reason)))
-        for prefill_request_id in list(self._leases.held()):
-            try:
-                self._release_lease(prefill_request_id)
-            except Exception:  # noqa: BLE001 - the engine may be broken; the leases end anyway
-                self._leases.release(prefill_request_id)
+        self._handoff.release_all()
         for engine_id, live in list(self._live.items()):
             try:
                 self.engine.abort(engine_id)
@@ -943,8 +578,8 @@ class AsyncEngine:
                 for engine_id, _, _ in batch:
                     if engine_id in self._live:
                         self.engine.abort(engine_id)
-                    elif engine_id in self._leases:
-                        self._release_lease(engine_id)
+                    elif engine_id in self._handoff.leases:
+                        self._handoff.release_lease(engine_id)
 
 
 def _put_all(batch: list[tuple[str, asyncio.Queue, Any]]) -> None:
