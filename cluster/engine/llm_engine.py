@@ -55,15 +55,12 @@ def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> Scheduler
     chunk = config.chunked_prefill_size
     chunked = chunk is not None and chunk > 0
     budget = chunk if chunked else int(config.max_prefill_tokens or 16384)
-    # NOTE: every running request decodes one token per step, so no more than the step
-    # budget can run at once; a larger --max-running-requests is capped to it.
-    max_seqs = max_num_seqs_for(config)
     # NOTE: kv.num_blocks excludes the runner's scratch block (CUDA graphs), so the pool never
-    # hands it out.
+    # hands it out; max_num_seqs_for caps running requests at the step budget.
     return SchedulerConfig(
         num_blocks=kv.num_blocks,
         block_size=kv.block_size,
-        max_num_seqs=int(max_seqs),
+        max_num_seqs=max_num_seqs_for(config),
         max_num_batched_tokens=int(budget),
         enable_prefix_caching=not config.disable_radix_cache,
         enable_chunked_prefill=chunked,
