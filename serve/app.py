@@ -208,7 +208,7 @@ def engine_capacity(config: ResolvedConfig, options: ServeOptions) -> int:
     """Requests one engine replica accepts before its queue bound rejects: its running
     cap plus ``options.max_queued_requests``. An elastic EP replica's running cap is the
     one of its largest group (DP ranks that join get the launch's per-rank budget)."""
-    from flotilla.cluster.engine.llm_engine import DEFAULT_MAX_RUNNING_REQUESTS
+    from flotilla.cluster.engine.model_runner import DEFAULT_MAX_RUNNING_REQUESTS
 
     running = int(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
     plan = options.elastic_plan

@@ -29,7 +29,6 @@ import torch
 
 from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback
 from flotilla.cluster.engine.dp_scheduler import build_scheduler, can_grow_elastic_ep
-from flotilla.cluster.engine import model_runner
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner, max_num_seqs_for
 from flotilla.cluster.engine.outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput, StepLogprobs
 from flotilla.cluster.engine.request import Request, RequestStatus
@@ -39,8 +38,6 @@ from flotilla.cluster.engine.scheduler import SchedulerConfig
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.resolution import ModelFacts, ResolvedConfig
 
-# Requests running at once when --max-running-requests is not given (see max_num_seqs_for).
-DEFAULT_MAX_RUNNING_REQUESTS = model_runner.DEFAULT_MAX_RUNNING_REQUESTS
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
