@@ -291,8 +291,8 @@ def flashinfer_attention_planner(
 @register("paged_attention", "flashinfer")
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
@@ -304,11 +304,18 @@ def paged_attention(
     whose ``scale``/``sliding_window`` must match). ``q[T, Hq, D]``, ``k``/``v[T, Hkv, D]``;
     returns ``[T, Hq, D]``, ``[0, Hq, D]`` for an empty batch. CUDA-graph capturable for
     decode: no host sync, no value-dependent allocation (every slot must be a real cache
-    slot, padding rows included)."""
+    slot, padding rows included).
+
+    ``k=None`` and ``v=None`` (both) mean the new K/V are already in the caches at
+    ``meta.slot_mapping`` (written by the fused ``qkv_prepare`` op): attention only.
+    """
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (written here) or neither (already in the caches), got one of them")
     if q.shape[0] == 0:
-        return q.new_empty(0, q.shape[1], v.shape[-1])
+        return q.new_empty(0, q.shape[1], v_cache.shape[-1])
     plan = require_plan(meta)
     plan.check(q.shape[0], scale, sliding_window)
-    write_kv(k_cache, meta.slot_mapping, k)
-    write_kv(v_cache, meta.slot_mapping, v)
+    if k is not None:
+        write_kv(k_cache, meta.slot_mapping, k)
+        write_kv(v_cache, meta.slot_mapping, v)
     return plan.wrapper.run(q if q.is_contiguous() else q.contiguous(), (k_cache, v_cache))

@@ -24,7 +24,13 @@ _BACKEND_MODULES = {
         "flotilla.kernels.flashinfer_attention",
         "flotilla.kernels.flashinfer_mla",
     ),
-    "triton": ("flotilla.kernels.triton_moe", "flotilla.kernels.triton_fp8"),
+    "triton": (
+        "flotilla.kernels.triton_moe",
+        "flotilla.kernels.triton_routing",
+        "flotilla.kernels.triton_fp8",
+        "flotilla.kernels.triton_gemv",
+        "flotilla.kernels.triton_qkv",
+    ),
     "deep_gemm": ("deep_gemm", "flotilla.kernels.fp8"),
 }
 

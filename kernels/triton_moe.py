@@ -4,19 +4,19 @@ Same signature and meaning as the torch reference (:func:`flotilla.kernels.moe.f
 ``w13[E_local, 2I, H]`` (gate rows, then up rows), ``w2[E_local, H, I]``, ``topk_ids[T, k]``
 global ids mapped through ``expert_map`` (``-1``: another rank computes that pair).
 
-How it runs (five launches, no host synchronisation, so it can be captured in a CUDA graph):
+How it runs (four launches, no host synchronisation, so it can be captured in a CUDA graph):
 
-1. ``torch.zeros`` of the per-expert counters (a memset).
-2. ``_route_kernel`` (one program): each (token, k) pair ("route") gets its local expert and
-   its rank inside that expert (atomics); per-expert row counts are padded up to ``BLOCK_M``
+1. ``_route_kernel`` (one program, :func:`flotilla.kernels.triton_routing.route`): zeroes the
+   per-expert counters, then each (token, k) pair ("route") gets its local expert and its
+   rank inside that expert (atomics); per-expert row counts are padded up to ``BLOCK_M``
    and laid out back to back, so every ``BLOCK_M`` block of the sorted row list belongs to one
    expert (``block_expert``; ``-1`` past the end). ``sorted_route[row]`` names the route a row
    computes, or ``num_routes`` for padding rows.
-3. ``_gate_up_kernel``: per (row block, column tile) the gathered tokens times the block's
+2. ``_gate_up_kernel``: per (row block, column tile) the gathered tokens times the block's
    expert's gate and up rows, then ``act(gate) * up`` into ``inter[rows, I]``.
-4. ``_down_kernel``: ``inter`` times the expert's down projection, scaled by each route's
+3. ``_down_kernel``: ``inter`` times the expert's down projection, scaled by each route's
    routing weight, written per route into ``routed[T*k, H]`` (float32).
-5. ``_sum_routes_kernel``: ``out[t] = sum_j routed[t*k + j]`` over the routes computed here.
+4. ``_sum_routes_kernel``: ``out[t] = sum_j routed[t*k + j]`` over the routes computed here.
 
 Buffers are sized from host integers only (``T*k + min(E, T*k) * (BLOCK_M - 1)`` rows, the
 most that padding can need), so the launch grid is fixed for a given batch size; blocks past
@@ -30,6 +30,9 @@ registers and scaled by its 128x128 block scale); the FP8 ops built on them live
 
 Importing this module imports Triton: the registry imports it only when the ``triton``
 backend is asked for, so a machine without Triton gets the registry's "not available" error.
+It also registers the ``triton`` backend of ``select_experts`` (through
+:mod:`flotilla.kernels.triton_routing`), which :class:`~flotilla.cluster.models.moe_layer.FusedMoE`
+picks up with the ``triton`` ``fused_moe``.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ import triton.language as tl
 
 from flotilla.kernels.registry import register
 
+# NOTE: importing triton_routing also registers ("select_experts", "triton").
+from flotilla.kernels.triton_routing import route
+
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-_ROUTE_CHUNK = 1024  # routes handled per step of the routing program's loops
 
 
 @dataclass(frozen=True)
@@ -85,74 +90,6 @@ def pick_config(num_routes: int, num_local_experts: int) -> MoEConfig:
 
 
 # --------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _route_kernel(
-    topk_ids_ptr,
-    expert_map_ptr,
-    counts_ptr,
-    starts_ptr,
-    route_rank_ptr,
-    route_expert_ptr,
-    sorted_route_ptr,
-    block_expert_ptr,
-    num_routes,
-    num_local,
-    max_rows,
-    max_blocks,
-    HAS_MAP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-    E_PAD: tl.constexpr,
-    B_CHUNK: tl.constexpr,
-):
-    offs = tl.arange(0, CHUNK)
-    # Phase 1: each route's local expert (-1 when not held here) and its rank in that expert.
-    for start in range(0, num_routes, CHUNK):
-        r = start + offs
-        in_range = r < num_routes
-        ids = tl.load(topk_ids_ptr + r, mask=in_range, other=0)
-        if HAS_MAP:
-            local = tl.load(expert_map_ptr + ids, mask=in_range, other=-1).to(tl.int32)
-        else:
-            local = ids.to(tl.int32)
-        valid = in_range & (local >= 0) & (local < num_local)
-        local = tl.where(valid, local, -1)
-        rank = tl.atomic_add(counts_ptr + tl.where(valid, local, 0), 1, mask=valid)
-        tl.store(route_rank_ptr + r, rank, mask=valid)
-        tl.store(route_expert_ptr + r, local, mask=in_range)
-    # NOTE: one program, so a barrier orders phase 1's writes before the reads below
-    # (volatile loads skip L1; the atomics completed before their results were stored).
-    tl.debug_barrier()
-    # Phase 2: padded segment of each expert, the expert of every row block, sentinel rows.
-    e_offs = tl.arange(0, E_PAD)
-    e_ok = e_offs < num_local
-    counts = tl.load(counts_ptr + e_offs, mask=e_ok, other=0, volatile=True)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(starts_ptr + e_offs, ends - padded, mask=e_ok)
-    b_offs = tl.arange(0, B_CHUNK)
-    for b0 in range(0, max_blocks, B_CHUNK):
-        b = b0 + b_offs
-        first_row = b * BLOCK_M
-        # The expert of a row is the number of segments ending at or before it.
-        expert = tl.sum((first_row[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-        expert = tl.where(expert < num_local, expert, -1)
-        tl.store(block_expert_ptr + b, expert, mask=b < max_blocks)
-    for s0 in range(0, max_rows, CHUNK):
-        s = s0 + offs
-        tl.store(sorted_route_ptr + s, tl.zeros([CHUNK], dtype=tl.int32) + num_routes, mask=s < max_rows)
-    tl.debug_barrier()
-    # Phase 3: each route's row = its expert's segment start + its rank.
-    for start in range(0, num_routes, CHUNK):
-        r = start + offs
-        in_range = r < num_routes
-        local = tl.load(route_expert_ptr + r, mask=in_range, other=-1, volatile=True)
-        valid = local >= 0
-        rank = tl.load(route_rank_ptr + r, mask=valid, other=0, volatile=True)
-        seg_start = tl.load(starts_ptr + tl.where(valid, local, 0), mask=valid, other=0, volatile=True)
-        tl.store(sorted_route_ptr + seg_start + rank, r, mask=valid)
 
 
 @triton.jit
@@ -324,57 +261,6 @@ def _sum_routes_kernel(routed_ptr, route_expert_ptr, out_ptr, top_k, H, stride_r
 # --------------------------------------------------------------------------- host side
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-@dataclass
-class Routing:
-    """Rows of one call sorted by expert (see the module docstring); all on the device."""
-
-    sorted_route: torch.Tensor  # [max_rows] int32: route of each row, num_routes = padding
-    block_expert: torch.Tensor  # [max_blocks] int32: local expert of each row block, -1 = none
-    route_expert: torch.Tensor  # [num_routes] int32: local expert of each route, -1 = not here
-    block_m: int
-
-
-def route(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None, block_m: int) -> Routing:
-    """Sort ``topk_ids[T, k]``'s routes by local expert into ``block_m``-padded segments."""
-    num_routes = topk_ids.numel()
-    device = topk_ids.device
-    max_rows = num_routes + min(num_local, num_routes) * (block_m - 1)
-    max_blocks = triton.cdiv(max_rows, block_m)
-    counts = torch.zeros(num_local, dtype=torch.int32, device=device)
-    starts = torch.empty(num_local, dtype=torch.int32, device=device)
-    route_rank = torch.empty(num_routes, dtype=torch.int32, device=device)
-    route_expert = torch.empty(num_routes, dtype=torch.int32, device=device)
-    sorted_route = torch.empty(max_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    e_pad = _next_pow2(num_local + 1)
-    ids = topk_ids.reshape(-1)
-    _route_kernel[(1,)](
-        ids,
-        expert_map if expert_map is not None else ids,
-        counts,
-        starts,
-        route_rank,
-        route_expert,
-        sorted_route,
-        block_expert,
-        num_routes,
-        num_local,
-        max_rows,
-        max_blocks,
-        HAS_MAP=expert_map is not None,
-        BLOCK_M=block_m,
-        CHUNK=_ROUTE_CHUNK,
-        E_PAD=e_pad,
-        B_CHUNK=max(16, 4096 // e_pad),
-        num_warps=8,
-    )
-    return Routing(sorted_route, block_expert, route_expert, block_m)
-
-
 def _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8=False) -> None:
     if activation not in _ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got activation={activation!r}")
@@ -517,7 +403,7 @@ def fused_moe_with_config(
         num_stages=cfg.stages_2,
     )
 
-    block_h = min(1024, _next_pow2(h))
+    block_h = min(1024, triton.next_power_of_2(h))
     _sum_routes_kernel[(num_tokens, triton.cdiv(h, block_h))](
         routed, routing.route_expert, out, top_k, h, routed.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4
     )

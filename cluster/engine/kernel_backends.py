@@ -14,6 +14,10 @@ attention     ``flashinfer`` (every CUDA kernel name:      ``torch``
 elementwise   ``flashinfer`` (RMSNorm, RoPE, SiLU-and-mul) ``torch``
               when attention is flashinfer, else ``torch``
 moe           ``triton`` (fused MoE) for MoE models        ``torch``
+linear        ``triton`` (a GEMV for one-row inputs,       ``torch`` (``F.linear``)
+              ``F.linear`` otherwise) when attention is
+              flashinfer and triton is installed, else
+              ``torch``
 sampling      ``flashinfer`` unless sampling_backend is    ``torch``
               ``pytorch``
 ============  ==========================================  ===========================
@@ -87,7 +91,13 @@ _TORCH_FLAG = {
     "moe_runner_backend": "--dtype float32 (the torch MoE reference)",
 }
 # One op of each family: fetching it imports the backend's registry modules.
-_PROBE_OPS = {"attention": "attention_planner", "elementwise": "rms_norm", "moe": "fused_moe", "sampling": "sample_tokens"}
+_PROBE_OPS = {
+    "attention": "attention_planner",
+    "elementwise": "rms_norm",
+    "moe": "fused_moe",
+    "linear": "linear",
+    "sampling": "sample_tokens",
+}
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,8 @@ class KernelBackends:
         attention: paged attention, MLA attention and the per-step attention planner.
         elementwise: RMSNorm (with fused residual add), rotary embedding, SiLU-and-mul.
         moe: the fused expert computation of MoE layers.
+        linear: the dense projections' GEMM (``triton``: batch-1 decode steps on a Triton
+            GEMV, every other shape on ``F.linear``; the embedding and LM head stay on torch).
         sampling: top-k/top-p/min-p sampling from probabilities.
         chosen_by: for each family, the resolved setting that chose it (``"attention_backend='fa3'"``),
             for messages and the start-up report; not part of equality.
@@ -106,12 +118,19 @@ class KernelBackends:
     attention: str = TORCH
     elementwise: str = TORCH
     moe: str = TORCH
+    linear: str = TORCH
     sampling: str = TORCH
     chosen_by: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def as_dict(self) -> dict[str, str]:
-        """``{"attention": ..., "elementwise": ..., "moe": ..., "sampling": ...}``."""
-        return {"attention": self.attention, "elementwise": self.elementwise, "moe": self.moe, "sampling": self.sampling}
+        """``{"attention": ..., "elementwise": ..., "moe": ..., "linear": ..., "sampling": ...}``."""
+        return {
+            "attention": self.attention,
+            "elementwise": self.elementwise,
+            "moe": self.moe,
+            "linear": self.linear,
+            "sampling": self.sampling,
+        }
 
 
 def library_installed(module: str) -> bool:
@@ -171,10 +190,13 @@ def kernel_backends_for(
         attention=attention,
         elementwise=FLASHINFER if attention == FLASHINFER else TORCH,
         moe=TRITON if moe_model else TORCH,
+        # NOTE: an optimization no flag names: without triton the projections stay on F.linear.
+        linear=TRITON if attention == FLASHINFER and available(_LIBRARIES[TRITON][0]) else TORCH,
         sampling=sampling,
         chosen_by={
             "attention": attention_by,
             "elementwise": attention_by,
+            "linear": attention_by,
             "moe": f"moe_runner_backend={moe_name!r}",
             "sampling": f"sampling_backend={sampling_name!r}",
         },

@@ -36,6 +36,7 @@ from flotilla.cluster.eplb import ExpertPlacement
 from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.moe_layer import expert_placements, rewire_moe_layers
 from flotilla.cluster.models.expert_load import ExpertLoadRecorder, attach_load_recorder
+from flotilla.cluster.models.layers import use_linear_op
 from flotilla.cluster.models.sources import ModelSource, load_model, resolve_dtype
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
@@ -141,6 +142,13 @@ class ModelRunner:
         )
         if pack_weights and self.device.type == "cpu":
             pack_linear_layers(self.model)
+        if self.backends.linear != "torch":
+            use_linear_op(
+                self.model,
+                registry.get("linear", self.backends.linear),
+                silu_and_mul_linear=registry.get("silu_and_mul_linear", self.backends.linear),
+                rms_norm_linear=registry.get("rms_norm_linear", self.backends.linear),
+            )
         self.load_recorder = self._make_load_recorder(config)
         self.vocab_size = int(source.config_dict["vocab_size"])
         self._synchronize()

@@ -28,6 +28,28 @@ from torch import nn
 from flotilla.cluster.models.base import ParallelLayout
 
 
+# ``linear_op(x, weight, bias=None)``: ``F.linear``'s contract.
+LinearOp = Callable[..., torch.Tensor]
+
+
+def use_linear_op(model: nn.Module, linear_op: LinearOp, **fused_ops: Callable | None) -> int:
+    """Run every column- and row-parallel linear layer of ``model`` on ``linear_op`` (a kernel
+    backend's ``linear``, e.g. the Triton decode GEMV), and hand each fused op to the modules
+    that have an attribute of its name (None there means "run the separate ops"):
+    ``silu_and_mul_linear`` (gated MLPs: the activation fused into the down projection),
+    ``rms_norm_linear`` (decoder layers: a norm fused into the projection after it).
+    Returns how many linear layers changed. The embedding and LM head keep ``F.linear``."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.linear_op = linear_op
+            changed += 1
+        for name, op in fused_ops.items():
+            if op is not None and hasattr(module, name):
+                setattr(module, name, op)
+    return changed
+
+
 def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what}={total} is not divisible by tp_size={parts}")
@@ -69,13 +91,15 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
+        # NOTE: the GEMM kernel; use_linear_op swaps in a CUDA backend's (see its docstring).
+        self.linear_op: LinearOp = F.linear
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         start = self.parallel.tp_rank * param.shape[0]
         default_weight_loader(param, loaded.narrow(0, start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_op(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -202,13 +226,18 @@ class RowParallelLinear(nn.Module):
             if bias
             else None
         )
+        self.linear_op: LinearOp = F.linear
 
     def _load_cols(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         start = self.parallel.tp_rank * param.shape[1]
         default_weight_loader(param, loaded.narrow(1, start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        return self.reduce_partial(self.linear_op(x, self.weight))
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x W^T`` (computed by the caller, e.g. a fused kernel) summed over
+        the group, plus the bias: the rest of :meth:`forward`."""
         if self.all_reduce is not None and self.parallel.tp_size > 1:
             y = self.all_reduce(y)
         # NOTE: the bias is added once, after the reduction.

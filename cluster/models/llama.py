@@ -169,6 +169,7 @@ class DenseDecoderForCausalLM(nn.Module):
             config.dtype,
             registry.get("paged_attention", config.attention_backend),
             config.elementwise_backend,
+            fused_qkv_prepare(config),
         )
         self.lm_head = ParallelLMHead(s.vocab_size, s.hidden_size, config.parallel, config.dtype)
         if s.tie_word_embeddings:
@@ -331,6 +332,15 @@ class Qwen3ForCausalLM(DenseDecoderForCausalLM):
 # --- building blocks --------------------------------------------------------------
 
 
+def fused_qkv_prepare(config: ModelConfig):
+    """The fused ``qkv_prepare`` op (Triton: q/k norm, RoPE and the KV-cache write in one
+    launch) when attention and the elementwise ops both run on flashinfer (CUDA, fp16/bf16),
+    else None: the separate norm, rotary and attention-writes-KV ops, as on the torch path."""
+    if config.attention_backend == "flashinfer" and config.elementwise_backend == "flashinfer":
+        return registry.get("qkv_prepare", "triton")
+    return None
+
+
 def uniform_sliding_window(windows: Iterable[int | None], architecture: str) -> int | None:
     """The one sliding window every layer uses (None: full attention); ValueError when
     the layers differ, which one per-step attention plan cannot serve."""
@@ -365,10 +375,21 @@ class RMSNorm(nn.Module):
 
 class DecoderAttention(nn.Module):
     """Self-attention of one layer: merged q/k/v projection, optional q/k norm, RoPE,
-    paged attention (optionally windowed), output projection."""
+    paged attention (optionally windowed), output projection.
+
+    With ``qkv_prepare_op`` (see :func:`fused_qkv_prepare`) the norm, RoPE and KV-cache
+    write run as that one op and attention is called with ``k=v=None`` (already cached).
+    """
 
     def __init__(
-        self, s: DecoderSettings, layer: int, parallel: ParallelLayout, dtype: torch.dtype, attention_op, backend: str
+        self,
+        s: DecoderSettings,
+        layer: int,
+        parallel: ParallelLayout,
+        dtype: torch.dtype,
+        attention_op,
+        backend: str,
+        qkv_prepare_op=None,
     ):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
@@ -383,6 +404,7 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype, backend) if s.qk_norm else None
         self._attention = attention_op
         self._rotary = registry.get("rotary_embedding", backend)
+        self._qkv_prepare = qkv_prepare_op
 
     def forward(
         self,
@@ -392,15 +414,37 @@ class DecoderAttention(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.attend(positions, self.qkv_proj(x), kv_cache, meta, cos_sin_cache)
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer from its q/k/v projection's output on (for a caller that fused the
+        projection with the norm before it)."""
+        tokens = qkv.shape[0]
+        k_cache, v_cache = kv_cache
+        if self._qkv_prepare is not None:
+            norms = {}
+            if self.q_norm is not None:
+                norms = dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, eps=self.q_norm.eps)
+            q = self._qkv_prepare(
+                qkv, positions, cos_sin_cache, self.rotary_dim, True, k_cache, v_cache, meta.slot_mapping,
+                self.num_heads, self.num_kv_heads, **norms,
+            )
+            out = self._attention(q, None, None, k_cache, v_cache, meta, self.scale, self.sliding_window)
+            return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotary(positions, q, k, cos_sin_cache, self.rotary_dim, True)
-        k_cache, v_cache = kv_cache
         out = self._attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -415,24 +459,45 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, parallel, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype)
         self._act = registry.get("silu_and_mul", backend)
+        # The fused activation + down projection (use_linear_op sets it; None: separate ops).
+        self.silu_and_mul_linear = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The block from the gate/up projection's output on."""
+        if self.silu_and_mul_linear is not None:
+            return self.down_proj.reduce_partial(self.silu_and_mul_linear(gate_up, self.down_proj.weight, self._act))
+        return self.down_proj(self._act(gate_up))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with the residual stream carried separately."""
 
     def __init__(
-        self, s: DecoderSettings, layer: int, parallel: ParallelLayout, dtype: torch.dtype, attention_op, backend: str
+        self,
+        s: DecoderSettings,
+        layer: int,
+        parallel: ParallelLayout,
+        dtype: torch.dtype,
+        attention_op,
+        backend: str,
+        qkv_prepare_op=None,
     ):
         super().__init__()
-        self.self_attn = DecoderAttention(s, layer, parallel, dtype, attention_op, backend)
+        self.self_attn = DecoderAttention(s, layer, parallel, dtype, attention_op, backend, qkv_prepare_op)
         self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.mlp_bias, parallel, dtype, backend)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
+        # A norm fused into the projection after it (use_linear_op sets it; None: separate ops).
+        self.rms_norm_linear = None
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
+        if self.rms_norm_linear is not None:
+            fused = self._forward_fused(positions, hidden, residual, kv_cache, meta, cos_sin_cache)
+            if fused is not None:
+                return fused
         # NOTE: each fused norm may overwrite the hidden/residual it is given (flashinfer);
         # both are rebound to its outputs and the old tensors are never read again.
         if residual is None:
@@ -443,10 +508,24 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def _forward_fused(self, positions, hidden, residual, kv_cache, meta, cos_sin_cache):
+        """The layer with each norm fused into the projection after it (q/k/v; gate/up), for
+        the inputs the fused op takes (one row); None for the others."""
+        norm, attn = self.input_layernorm, self.self_attn
+        out = self.rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        if out is None:
+            return None
+        qkv, residual = out
+        hidden = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache)
+        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        gate_up_out, residual = self.rms_norm_linear(hidden, residual, norm.weight, norm.eps, gate_up.weight, gate_up.bias)
+        return self.mlp.down(gate_up_out), residual
+
 
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix);
-    ``elementwise_backend`` names the kernels of the norms, RoPE and activations."""
+    ``elementwise_backend`` names the kernels of the norms, RoPE and activations;
+    ``qkv_prepare_op`` (None: separate ops) fuses each layer's q/k norm, RoPE and KV write."""
 
     def __init__(
         self,
@@ -455,12 +534,13 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         attention_op,
         elementwise_backend: str = "torch",
+        qkv_prepare_op=None,
     ):
         super().__init__()
         backend = elementwise_backend
         self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, parallel, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(s, i, parallel, dtype, attention_op, backend) for i in range(s.num_layers)
+            DecoderLayer(s, i, parallel, dtype, attention_op, backend, qkv_prepare_op) for i in range(s.num_layers)
         )
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
         # NOTE: float32 and shared by every layer; the rotary op casts cos/sin to the

@@ -157,7 +157,8 @@ class FusedMoE(nn.Module):
         self.dtype = dtype
         self.intermediate_per_rank = intermediate_size // parallel.moe_tp_size
         # NOTE: fused_moe first: it imports the backend's modules, which register whatever
-        # routing op the backend has; a backend without select_experts (triton) routes with
+        # routing op the backend has (triton: one-launch select_experts, registered by
+        # kernels/triton_routing via triton_moe); a backend without select_experts routes with
         # the torch reference, which runs on any device without host synchronisation.
         self._experts = registry.get("fused_moe", backend)
         select_backend = backend if backend in registry.backends("select_experts") else "torch"
@@ -212,6 +213,9 @@ class FusedMoE(nn.Module):
         self.register_buffer("log2phy", table.to(device), persistent=False)
         copies = torch.tensor([len(s) for s in placement.log2phy], dtype=torch.int64)
         self.register_buffer("replica_counts", copies.to(device), persistent=False)
+        # NOTE: one copy of each expert at the slot of its own id: slots_for is the identity
+        # (and launches nothing, which counts in a batch-1 decode step).
+        self.identity_slots = all(list(slots) == [expert] for expert, slots in enumerate(placement.log2phy))
         expert_map = torch.tensor(placement.local_expert_map(ep.ep_rank), dtype=torch.int64)
         self.register_buffer("expert_map", expert_map.to(device), persistent=False)
         return changed
@@ -223,6 +227,8 @@ class FusedMoE(nn.Module):
         :func:`~flotilla.cluster.eplb.choose_replica`: deterministic, so ranks that route the
         same rows agree on the slot.
         """
+        if self.identity_slots:
+            return topk_ids
         rows = torch.arange(first_row, first_row + topk_ids.shape[0], device=topk_ids.device).unsqueeze(1)
         return self.log2phy[topk_ids, rows % self.replica_counts[topk_ids]]
 

@@ -23,7 +23,7 @@ from flotilla.cluster.models.layers import (
     default_weight_loader,
     kv_head_span,
 )
-from flotilla.cluster.models.llama import RMSNorm, uniform_sliding_window
+from flotilla.cluster.models.llama import RMSNorm, fused_qkv_prepare, uniform_sliding_window
 from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata, AttentionShape
@@ -86,9 +86,14 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=cfg.parallel, dtype=cfg.dtype)
         self._act = registry.get("silu_and_mul", cfg.elementwise_backend)
+        # The fused activation + down projection (use_linear_op sets it; None: separate ops).
+        self.silu_and_mul_linear = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.silu_and_mul_linear is not None:
+            return self.down_proj.reduce_partial(self.silu_and_mul_linear(gate_up, self.down_proj.weight, self._act))
+        return self.down_proj(self._act(gate_up))
 
 
 # HF projection name fragment -> (our merged parameter's fragment, shard id).
@@ -155,7 +160,11 @@ def load_checkpoint(
 
 class GQAttention(nn.Module):
     """Grouped-query attention over the paged KV cache, with optional per-head q/k RMSNorm
-    (Qwen3) and an optional sliding window (Mixtral/Mistral)."""
+    (Qwen3) and an optional sliding window (Mixtral/Mistral).
+
+    When :func:`~flotilla.cluster.models.llama.fused_qkv_prepare` gives the fused op (flashinfer
+    attention and elementwise ops), q/k norm, RoPE and the KV-cache write run as that one op and
+    attention is called with ``k=v=None`` (already cached)."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, sliding_window: int | None):
         super().__init__()
@@ -182,18 +191,35 @@ class GQAttention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = d**-0.5
         self._attend = registry.get("paged_attention", cfg.attention_backend)
+        self._qkv_prepare = fused_qkv_prepare(cfg)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.attend(positions, self.qkv_proj(x), kv_cache, meta)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: tuple, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer from its q/k/v projection's output on (for a caller that fused the
+        projection with the norm before it)."""
+        k_cache, v_cache = kv_cache
+        if self._qkv_prepare is not None:
+            norms = {}
+            if self.q_norm is not None:
+                norms = dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, eps=self.q_norm.eps)
+            cos_sin_cache = self.rotary.cos_sin_cache
+            q = self._qkv_prepare(
+                qkv, positions, cos_sin_cache, cos_sin_cache.shape[-1], self.rotary.is_neox, k_cache, v_cache,
+                meta.slot_mapping, self.num_heads, self.num_kv_heads, **norms,
+            )
+            out = self._attend(q, None, None, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
+            return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        k_cache, v_cache = kv_cache
         out = self._attend(q, k, v, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)
         # NOTE: explicit width: an idle DP-attention rank has 0 tokens, and -1 is ambiguous then.
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
@@ -237,15 +263,25 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden, eps, cfg.dtype, cfg.elementwise_backend)
         self.post_attention_layernorm = RMSNorm(hidden, eps, cfg.dtype, cfg.elementwise_backend)
+        # The input norm fused into the q/k/v projection (GQA layers; use_linear_op sets it).
+        self.rms_norm_linear = None
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        # NOTE: each fused norm may overwrite the x/residual it is given (flashinfer); both
-        # are rebound to its outputs and the old tensors are never read again.
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
+        fused = None
+        if self.rms_norm_linear is not None and isinstance(self.self_attn, GQAttention):
+            norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+            fused = self.rms_norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias)
+        if fused is not None:
+            qkv, residual = fused
+            x = self.self_attn.attend(positions, qkv, kv_cache, meta)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+            # NOTE: each fused norm may overwrite the x/residual it is given (flashinfer); both
+            # are rebound to its outputs and the old tensors are never read again.
+            if residual is None:
+                residual, x = x, self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm(x, residual)
+            x = self.self_attn(positions, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

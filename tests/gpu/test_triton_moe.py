@@ -193,3 +193,130 @@ def test_fp8_experts_match_dequantized_reference(tokens, experts, top_k, hidden_
     got = registry.get("fp8_grouped_moe", "triton")(x, w13_q, w13_s, w2_q, w2_s, weights, ids, "silu", expert_map)
     want = fp8.fp8_grouped_moe(x.float(), w13_q, w13_s, w2_q, w2_s, weights, ids, "silu", expert_map)
     _compare(got, want, f"fp8 experts T={tokens} E={experts} k={top_k} H={hidden_size} I={inter} local={local}")
+
+
+# --------------------------------------------------------------------------- select_experts (routing)
+#
+# The Triton select_experts against the torch reference run on the same CUDA logits. Scores
+# agree to a few ulp (both use accurate exp and IEEE division; the softmax sums are reduced
+# in different orders), so weights must match within SELECT_RTOL. The logits are distinct
+# with gaps of at least 2/E, so no two experts' scores are within rounding of each other and
+# the ids (best first) must be equal; correction-bias keys are continuous, so there a near
+# tie at the k-th place (gap below NEAR_TIE) may pick either expert.
+
+SELECT_RTOL = 1e-6
+NEAR_TIE = 1e-5
+
+
+def _triton_select():
+    importlib.import_module("flotilla.kernels.triton_moe")  # registers select_experts through triton_routing
+    return registry.get("select_experts", "triton")
+
+
+def _distinct_logits(tokens, experts, seed):
+    """``[T, E]`` float32 logits in about [-2, 2]: a random permutation of ``E`` levels
+    ``4/E`` apart, each jittered by at most half a level."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    levels = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(dim=-1).float()
+    jitter = 0.5 * torch.rand(tokens, experts, device="cuda", generator=gen)
+    return (levels - experts / 2 + jitter) * (4.0 / experts)
+
+
+def _by_id(weights, ids):
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+@pytest.mark.parametrize("experts", [8, 60, 128, 256])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 257])
+def test_select_experts_matches_torch(tokens, experts, top_k, scoring, renormalize):
+    from flotilla.kernels.moe import select_experts
+
+    logits = _distinct_logits(tokens, experts, seed=tokens * 1000 + experts * 10 + top_k)
+    scale = 2.5 if scoring == "sigmoid" else 1.0  # DeepSeek-V3 scales its sigmoid weights
+    got_w, got_ids = _triton_select()(logits, top_k, renormalize, scoring, routed_scaling_factor=scale)
+    want_w, want_ids = select_experts(logits, top_k, renormalize, scoring, routed_scaling_factor=scale)
+    label = f"T={tokens} E={experts} k={top_k} {scoring} renormalize={renormalize}"
+    assert got_w.dtype == torch.float32 and got_ids.dtype == want_ids.dtype == torch.int64, label
+    assert got_w.shape == got_ids.shape == (tokens, top_k), label
+    mismatched = (got_ids != want_ids).any(dim=-1).nonzero().flatten().tolist()
+    first = mismatched[:1]
+    assert not mismatched, f"{label}: ids differ in tokens {mismatched[:5]}: {got_ids[first]} vs {want_ids[first]}"
+    torch.testing.assert_close(got_w, want_w, rtol=SELECT_RTOL, atol=1e-12, msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 257])
+@pytest.mark.parametrize("scoring,experts,top_k", [("sigmoid", 256, 8), ("softmax", 60, 4)])
+def test_select_experts_correction_bias(tokens, scoring, experts, top_k):
+    from flotilla.kernels.moe import select_experts
+
+    logits = _distinct_logits(tokens, experts, seed=tokens + experts)
+    bias = torch.rand(experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)) * 0.1
+    got_w, got_ids = _triton_select()(logits, top_k, True, scoring, correction_bias=bias, routed_scaling_factor=2.5)
+    want_w, want_ids = select_experts(logits, top_k, True, scoring, correction_bias=bias, routed_scaling_factor=2.5)
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    top = (scores + bias).topk(top_k + 1, dim=-1).values
+    clear = (top[:, top_k - 1] - top[:, top_k]) > NEAR_TIE * top[:, top_k - 1].abs()
+    assert clear.float().mean() > 0.9, "the test data should rarely tie"
+    (got_w, got_ids), (want_w, want_ids) = _by_id(got_w, got_ids), _by_id(want_w, want_ids)
+    assert torch.equal(got_ids[clear], want_ids[clear]), f"T={tokens} {scoring}: ids differ away from near ties"
+    torch.testing.assert_close(got_w[clear], want_w[clear], rtol=SELECT_RTOL, atol=1e-12)
+
+
+def test_select_experts_ties_take_the_lowest_ids():
+    # bf16 integer logits: many exact ties. Among equal scores the lowest ids come first, the
+    # set CUDA torch.topk keeps (gatherTopK fills the last places with the first-seen equals).
+    from flotilla.kernels.moe import select_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    logits = torch.randint(0, 3, (64, 128), device="cuda", generator=gen).to(torch.bfloat16)
+    got_w, got_ids = _triton_select()(logits, 8, True)
+    stable = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :8]
+    assert torch.equal(got_ids, stable)
+    want_w, want_ids = select_experts(logits, 8, True)
+    assert torch.equal(got_ids.sort(-1).values, want_ids.sort(-1).values), "not the set torch.topk picks"
+    torch.testing.assert_close(got_w, want_w, rtol=SELECT_RTOL, atol=1e-12)  # tied weights are equal
+
+
+def test_select_experts_delegates_group_routing_and_empty_batch():
+    from flotilla.kernels.moe import select_experts
+
+    logits = _distinct_logits(5, 256, seed=3)
+    bias = torch.linspace(0, 0.1, 256, device="cuda")
+    kwargs = dict(num_expert_group=8, topk_group=4, correction_bias=bias, routed_scaling_factor=2.5)
+    got = _triton_select()(logits, 8, True, "sigmoid", **kwargs)
+    want = select_experts(logits, 8, True, "sigmoid", **kwargs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    weights, ids = _triton_select()(logits[:0], 8, True)
+    assert weights.shape == ids.shape == (0, 8)
+    with pytest.raises(ValueError, match="top_k=9"):
+        _triton_select()(logits[:, :8], 9, True)
+
+
+def test_select_experts_cuda_graph_capture_and_replay():
+    from flotilla.kernels.moe import select_experts
+
+    select = _triton_select()
+    logits = _distinct_logits(4, 128, seed=30)
+    select(logits, 8, True)  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = select(logits, 8, True)
+    for seed in (31, 32):
+        logits.copy_(_distinct_logits(4, 128, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_w, want_ids = select_experts(logits, 8, True)
+        assert torch.equal(ids, want_ids), f"replay seed={seed}"
+        torch.testing.assert_close(weights, want_w, rtol=SELECT_RTOL, atol=1e-12)
+
+
+def test_moe_layer_routes_with_the_triton_select():
+    from flotilla.cluster.models.moe_layer import FusedMoE
+
+    layer = FusedMoE(16, 4, 64, 32, renormalize=True, backend="triton")
+    assert layer._select is _triton_select()

@@ -59,14 +59,20 @@ CUDA_NAMES = ("fa3", "fa4", "flashinfer", "triton", "trtllm_mha", "trtllm_mla", 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_kernel_names_run_on_flashinfer_in_half_precision(name, dtype):
     chosen = kernel_backends_for(config(attention_backend=name), dtype, available=everything)
-    assert chosen.as_dict() == {"attention": "flashinfer", "elementwise": "flashinfer", "moe": "triton", "sampling": "flashinfer"}
+    assert chosen.as_dict() == {
+        "attention": "flashinfer",
+        "elementwise": "flashinfer",
+        "moe": "triton",
+        "linear": "triton",
+        "sampling": "flashinfer",
+    }
     assert chosen.chosen_by["attention"] == f"attention_backend={name!r}"
 
 
 @pytest.mark.parametrize("name", ["torch_native", "flex_attention"])
 def test_torch_attention_names_run_the_reference_on_cuda(name):
     chosen = kernel_backends_for(config(attention_backend=name), torch.bfloat16, available=everything)
-    assert (chosen.attention, chosen.elementwise, chosen.sampling) == ("torch", "torch", "flashinfer")
+    assert (chosen.attention, chosen.elementwise, chosen.linear, chosen.sampling) == ("torch", "torch", "torch", "flashinfer")
 
 
 def test_float32_runs_the_torch_references_on_cuda():
@@ -125,7 +131,9 @@ def test_a_missing_triton_fails_only_moe_models():
     no_triton = lambda module: module != "triton"  # noqa: E731
     with pytest.raises(ValueError, match=r"moe_runner_backend='auto' needs triton"):
         kernel_backends_for(config(), torch.bfloat16, available=no_triton)
-    assert kernel_backends_for(config(), torch.bfloat16, moe_model=False, available=no_triton).moe == "torch"
+    dense = kernel_backends_for(config(), torch.bfloat16, moe_model=False, available=no_triton)
+    # NOTE: the Triton decode GEMV is an optimization no flag asks for: without triton it is F.linear.
+    assert (dense.moe, dense.linear, dense.attention) == ("torch", "torch", "flashinfer")
 
 
 def _smollm2_config(platform: str, **flags):
@@ -148,7 +156,10 @@ def test_this_box_cannot_build_a_cuda_runner_and_says_why():
 def test_load_kernel_backends_turns_a_registry_failure_into_a_start_error():
     if library_installed("flashinfer"):
         pytest.skip("flashinfer is installed here")
-    chosen = KernelBackends("flashinfer", "flashinfer", "torch", "flashinfer", {"attention": "attention_backend='fa3'"})
+    chosen = KernelBackends(
+        attention="flashinfer", elementwise="flashinfer", sampling="flashinfer",
+        chosen_by={"attention": "attention_backend='fa3'"},
+    )  # fmt: skip
     with pytest.raises(ValueError, match=r"attention_backend='fa3' selects the 'flashinfer' attention kernels, which failed"):
         load_kernel_backends(chosen, registry)
     load_kernel_backends(KernelBackends(), registry)  # the references always load

@@ -1,0 +1,30 @@
+"""Timing of short GPU work for the probes in this folder: ``fn`` captured ``reps`` times
+into one CUDA graph, the graph replayed, the mean microseconds of one ``fn`` returned. A
+graph keeps launch gaps out of kernels of a few microseconds."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def replay_us(fn: Callable[[], object], reps: int = 20, replays: int = 10) -> float:
+    """Mean microseconds of one ``fn`` over ``replays`` replays of a graph holding ``reps`` calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # NOTE: warm-up outside capture (compiles, allocates)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * reps)

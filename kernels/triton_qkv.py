@@ -1,0 +1,295 @@
+"""One Triton launch for what sits between the q/k/v projection and paged attention: the
+``triton`` backend of op ``qkv_prepare``.
+
+Per layer the unfused path runs q RMSNorm, k RMSNorm, RoPE and two KV-cache index copies
+(five launches); :func:`qkv_prepare` does all of it in one, over a grid of tokens x
+(query heads + KV heads). A query-head program normalises (optionally), rotates and stores
+its head into a new contiguous ``q[T, Hq, D]``; a KV-head program does the same for its key
+head and stores it, with the value head copied unchanged, at the token's cache slot.
+
+Numerics: the separate torch references' rounding points, reproduced exactly (float32 math,
+rounding to the model dtype wherever the reference's intermediate tensors live in it):
+
+- RMSNorm (``kernels/norm.py``): ``rstd`` in float32, ``x * rstd`` rounded to the model
+  dtype, then ``weight * that`` rounded again;
+- RoPE (``kernels/rotary.py``, HF's convention): cos/sin rounded to the model dtype, each of
+  ``x1 * cos`` and ``x2 * sin`` rounded, then their difference/sum rounded. A product of two
+  bf16/fp16 values is exact in float32, so every rounding here equals torch's.
+
+So without q/k norm the outputs are bit-identical to the references; with it, only ``rstd``
+can differ (the sum of squares is reduced in another order), by a float32 ulp or so, which
+flips the rounding of a normalised element by at most one ulp now and then.
+
+Importing this module imports Triton: the registry imports it only when the ``triton``
+backend is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flotilla.kernels.registry import register
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+# NOTE: Triton's interpreter runs the kernel on CPU tensors (used to check it without a GPU).
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype`` and widened back: one rounding of the reference."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _prepare_head(
+    src_ptr,
+    w_ptr,
+    eps,
+    cos_ptr,
+    cols,
+    DTYPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """One head (``HEAD_DIM`` values at ``src_ptr``) normalised and rotated, as float32
+    values already rounded to ``DTYPE``. ``cos_ptr`` is the token's cos/sin cache row."""
+    half: tl.constexpr = ROT_DIM // 2
+    in_head = cols < HEAD_DIM
+    x = tl.load(src_ptr + cols, mask=in_head, other=0.0).to(tl.float32)
+    # Each rotated dim's partner (the other element of its rotation pair), its frequency
+    # (cos/sin column) and whether it takes the minus sign (first of its pair).
+    if IS_NEOX:
+        first = cols < half
+        partner = tl.where(first, cols + half, cols - half)
+        freq = tl.where(first, cols, cols - half)
+    else:
+        first = (cols % 2) == 0
+        partner = cols ^ 1
+        freq = cols // 2
+    rotated = cols < ROT_DIM
+    x_partner = tl.load(src_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        # NOTE: the reference normalises the whole head (rotated dims and the rest alike).
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / HEAD_DIM) + eps)
+        w = tl.load(w_ptr + cols, mask=in_head, other=0.0).to(tl.float32)
+        w_partner = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        x = _round(w * _round(x * rstd, DTYPE), DTYPE)
+        x_partner = _round(w_partner * _round(x_partner * rstd, DTYPE), DTYPE)
+    cos = _round(tl.load(cos_ptr + freq, mask=rotated, other=0.0), DTYPE)
+    sin = _round(tl.load(cos_ptr + half + freq, mask=rotated, other=0.0), DTYPE)
+    x_cos = _round(x * cos, DTYPE)
+    partner_sin = _round(x_partner * sin, DTYPE)
+    out = _round(tl.where(first, x_cos - partner_sin, x_cos + partner_sin), DTYPE)
+    return tl.where(rotated, out, x)
+
+
+@triton.jit
+def _qkv_prepare_kernel(
+    qkv_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    eps,
+    stride_qkv_t,
+    stride_cos_p,
+    stride_kc_block,
+    stride_kc_offset,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_offset,
+    stride_vc_head,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    in_head = cols < HEAD_DIM
+    DTYPE: tl.constexpr = q_out_ptr.dtype.element_ty
+    row = qkv_ptr + token.to(tl.int64) * stride_qkv_t
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos_row = cos_sin_ptr + position * stride_cos_p
+    if head < NUM_Q_HEADS:
+        q = _prepare_head(
+            row + head * HEAD_DIM, q_norm_ptr, eps, cos_row, cols, DTYPE, HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM
+        )
+        q_dst = q_out_ptr + (token.to(tl.int64) * NUM_Q_HEADS + head) * HEAD_DIM
+        tl.store(q_dst + cols, q.to(DTYPE), mask=in_head)
+    else:
+        kv_head = head - NUM_Q_HEADS
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        # NOTE: a negative slot (a padding row some callers mark with -1) writes nothing.
+        if slot >= 0:
+            block = slot // CACHE_BLOCK_SIZE
+            offset = slot % CACHE_BLOCK_SIZE
+            k_src = row + (NUM_Q_HEADS + kv_head) * HEAD_DIM
+            k = _prepare_head(k_src, k_norm_ptr, eps, cos_row, cols, DTYPE, HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM)
+            k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + kv_head * stride_kc_head
+            tl.store(k_dst + cols, k.to(DTYPE), mask=in_head)
+            v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + cols, mask=in_head)
+            v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + kv_head * stride_vc_head
+            tl.store(v_dst + cols, v, mask=in_head)
+
+
+def _check_inputs(
+    qkv, positions, cos_sin_cache, rotary_dim, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+    num_q_heads, num_kv_heads,
+) -> int:
+    """ValueError naming the first argument the kernel cannot take; returns the head dim."""
+    if qkv.dim() != 2 or qkv.stride(-1) != 1:
+        raise ValueError(
+            f"qkv must be [T, (Hq + 2*Hkv) * D] with unit last stride, got shape={tuple(qkv.shape)}, stride={qkv.stride()}"
+        )
+    if qkv.dtype not in _HALF_DTYPES or not (qkv.is_cuda or _INTERPRETER):
+        raise ValueError(
+            f"qkv_prepare (triton) takes CUDA float16/bfloat16 qkv, got dtype={qkv.dtype}, device={qkv.device}"
+        )
+    if num_q_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_q_heads={num_q_heads} and num_kv_heads={num_kv_heads} must be positive")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    head_dim = k_cache.shape[-1]
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if qkv.shape[1] != width:
+        raise ValueError(
+            f"qkv has {qkv.shape[1]} columns; num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}, "
+            f"head_dim={head_dim} (from k_cache) need {width}"
+        )
+    if k_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"k_cache holds {k_cache.shape[2]} KV heads, num_kv_heads={num_kv_heads}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype != qkv.dtype or cache.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have qkv's dtype {qkv.dtype} and unit last stride, got dtype={cache.dtype}, "
+                f"stride={cache.stride()}"
+            )
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError(
+            f"cos_sin_cache must be float32 [max_position, rotary_dim] with unit last stride, got "
+            f"dtype={cos_sin_cache.dtype}, shape={tuple(cos_sin_cache.shape)}"
+        )
+    if rotary_dim != cos_sin_cache.shape[1] or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(
+            f"rotary_dim={rotary_dim} must be even, at most head_dim={head_dim}, and equal the cos_sin_cache "
+            f"width {cos_sin_cache.shape[1]}"
+        )
+    tokens = qkv.shape[0]
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if index.shape != (tokens,) or index.dtype not in (torch.int32, torch.int64) or not index.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous int32/int64 [T={tokens}] vector, got shape={tuple(index.shape)}, "
+                f"dtype={index.dtype}"
+            )
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("pass both q_norm_weight and k_norm_weight, or neither")
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if weight is not None and (weight.shape != (head_dim,) or not weight.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous [head_dim={head_dim}] vector, got shape={tuple(weight.shape)}")
+    return head_dim
+
+
+@register("qkv_prepare", "triton")
+def qkv_prepare(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """q/k RMSNorm (optional), RoPE and the KV-cache write of one attention layer in one launch.
+
+    Args:
+        qkv: ``[T, (Hq + 2*Hkv) * D]`` the fused projection output (q heads, then k, then v),
+            fp16/bf16 on CUDA; rows may be strided (a view), the last stride must be 1.
+        positions: ``[T]`` int64 (or int32) position of each token; each must be below
+            ``cos_sin_cache.shape[0]`` (not checked: that would read the GPU back).
+        cos_sin_cache: float32 ``[max_position, rotary_dim]`` (cos half, then sin half), from
+            :func:`~flotilla.kernels.rotary.rope_cache`.
+        rotary_dim: leading dims of each head that rotate (the cache width, even, ``<= D``);
+            the rest pass through (after the norm).
+        is_neox: True rotates halves (HF Llama); False rotates adjacent pairs, kept interleaved.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` in qkv's dtype (any strides with
+            a unit last one): the new K (normalised, rotated) and V go to ``slot_mapping``.
+        slot_mapping: ``[T]`` int64 (or int32) ``block * block_size + offset`` of each token;
+            a negative slot writes nothing for that token.
+        num_q_heads, num_kv_heads: ``Hq`` and ``Hkv`` of this rank.
+        q_norm_weight, k_norm_weight: ``[D]`` per-head RMSNorm weights (Qwen3), both or neither.
+        eps: the RMSNorm epsilon.
+
+    Returns the new contiguous ``q[T, Hq, D]``. Bit-identical to the torch references
+    (``rms_norm``, then ``rotary_embedding``, then ``write_kv``) except where q/k norm's
+    float32 ``rstd`` differs (see the module docstring). CUDA-graph capturable: no host sync,
+    and the only allocation (``q``) depends on shapes alone.
+    """
+    head_dim = _check_inputs(
+        qkv, positions, cos_sin_cache, rotary_dim, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+        num_q_heads, num_kv_heads,
+    )
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q  # NOTE: a zero-size grid is a launch error
+    has_norm = q_norm_weight is not None
+    block_d = triton.next_power_of_2(head_dim)
+    _qkv_prepare_kernel[(tokens, num_q_heads + num_kv_heads)](
+        qkv,
+        positions,
+        cos_sin_cache,
+        q_norm_weight if has_norm else qkv,  # NOTE: never read without HAS_NORM
+        k_norm_weight if has_norm else qkv,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        float(eps),
+        qkv.stride(0),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        ROT_DIM=rotary_dim,
+        BLOCK_D=block_d,
+        CACHE_BLOCK_SIZE=k_cache.shape[1],
+        IS_NEOX=bool(is_neox),
+        HAS_NORM=has_norm,
+        num_warps=1 if block_d <= 128 else 2,
+        # NOTE: no mul+add -> FMA contraction: it would skip the rounding of a product that the
+        # reference rounds (LLVM otherwise fuses r(x*cos) - r(x'*sin) into one bf16 FMA).
+        enable_fp_fusion=False,
+    )
+    return q
