@@ -206,7 +206,7 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
     peak = bandwidth["peak_bytes_per_s"]
     batch = opts.batch_size if kind == "latency" else opts.num_prompts
     params = SamplingParams(temperature=0, max_tokens=opts.output_len, ignore_eos=True)
-    clock = StepClock(engine.runner)
+    clock = StepClock.for_engine(engine)
     try:
         warmup_s = 0.0
         if opts.warmup_steps:

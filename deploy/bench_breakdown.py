@@ -33,7 +33,9 @@ class PhaseClock:
     ``scheduler.update``, the deltas). A step's phases add up to its time.
 
     NOTE: CUDA kernels run asynchronously: ``forward`` is the host time to launch them and the
-    wait for the device lands in ``sample`` (its read of the sampled tokens).
+    wait for the device lands in ``sample`` (its read of the sampled tokens); under overlap
+    scheduling the runner's ``launch`` stands for ``execute`` and the wait, for the step
+    launched before, lands in ``update``.
 
     Attributes:
         reason: why nothing is timed (None when the runner steps in this process).
@@ -54,9 +56,13 @@ class PhaseClock:
         )
         if self.reason is None:
             self._wrap(engine, "step", self._step_timer)
-            for owner, name in ((engine.scheduler, "schedule"), (runner, "execute"), (runner, "step_logits"),
-                                (runner, "prepare_inputs"), (runner.planner, "plan")):  # fmt: skip
-                self._wrap(owner, name, functools.partial(self._span_timer, name))
+            # NOTE: under overlap scheduling the engine runs launch (no wait) instead of execute:
+            # its span counts as "execute", and the wait for the step before lands in "update".
+            execute = clock.method
+            for owner, name, span in ((engine.scheduler, "schedule", "schedule"), (runner, execute, "execute"),
+                                      (runner, "step_logits", "step_logits"), (runner, "prepare_inputs", "prepare_inputs"),
+                                      (runner.planner, "plan", "plan")):  # fmt: skip
+                self._wrap(owner, name, functools.partial(self._span_timer, span))
 
     def _wrap(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
         """Replace ``owner.name`` by ``make(owner.name)`` until :meth:`close`."""

@@ -64,16 +64,26 @@ class StepRecord:
 
 
 class StepClock:
-    """Wraps ``runner.execute`` (as an instance attribute, undone by :meth:`close`) to note
-    each step's composition for the caller's wall-clock timing of ``engine.step()``."""
+    """Wraps the runner method the engine runs a step with (``execute``, or ``launch`` under
+    overlap scheduling; an instance attribute, undone by :meth:`close`) to note each step's
+    composition for the caller's wall-clock timing of ``engine.step()``.
 
-    def __init__(self, runner: Any):
+    NOTE: under overlap scheduling an ``engine.step()`` launches one step and waits for the
+    one before it, so its wall time is still one step's in a steady stream of steps."""
+
+    def __init__(self, runner: Any, method: str = "execute"):
         self.runner = runner
-        self._execute = runner.execute
+        self.method = method
+        self._execute = getattr(runner, method)
         self.last: tuple[int, int, bool, int] | None = None
-        runner.execute = self._timed_execute
+        setattr(runner, method, self._timed_execute)
 
-    def _timed_execute(self, step: Any, rows: Any) -> Any:
+    @classmethod
+    def for_engine(cls, engine: Any) -> "StepClock":
+        """The clock of the method ``engine`` steps its runner with."""
+        return cls(engine.runner, "launch" if getattr(engine, "overlap", False) else "execute")
+
+    def _timed_execute(self, step: Any, rows: Any, *args: Any) -> Any:
         items = list(getattr(step, "scheduled", []))
         # NOTE: a decode appends one generated token: its position is past the prompt.
         decode = bool(items) and all(
@@ -81,7 +91,7 @@ class StepClock:
         )
         context = sum(it.start_position + it.num_new_tokens for it in items)
         self.last = (len(items), sum(it.num_new_tokens for it in items), decode, context)
-        return self._execute(step, rows)
+        return self._execute(step, rows, *args)
 
     @property
     def last_decode_only(self) -> bool:
@@ -89,8 +99,8 @@ class StepClock:
         return self.last is not None and self.last[2]
 
     def close(self) -> None:
-        if self.runner.__dict__.get("execute") == self._timed_execute:
-            del self.runner.execute
+        if self.runner.__dict__.get(self.method) == self._timed_execute:
+            del self.runner.__dict__[self.method]
 
 
 @dataclass

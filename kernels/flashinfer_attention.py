@@ -150,6 +150,10 @@ class FlashInferAttentionPlanner:
         self.graph_batch_sizes = check_graph_sizes(graph_batch_sizes)
         self._graph_indices = None
         self._graph_decode: dict[int, Any] = {}
+        # NOTE: a wrapper's plan is staged through its pinned host buffer and copied to the
+        # device asynchronously; the next plan waits for that copy (overlap scheduling plans a
+        # step while the one before may still be queued).
+        self._plan_copied = torch.cuda.Event()
         if self.graph_batch_sizes:
             # NOTE: padding sequences add one page each, beyond the real batch's max_num_pages.
             capacity = max_num_pages + self.graph_batch_sizes[-1]
@@ -177,9 +181,13 @@ class FlashInferAttentionPlanner:
         With ``graph_batch_size`` (a pure decode step about to replay that size's graph),
         plans the size's CUDA-graph wrapper, padding the batch to the size. Call outside
         graph capture and replay. NOTE: flashinfer stages each plan through a pinned host
-        buffer per wrapper; re-planning a wrapper assumes the previous step's copy has
-        run, which the engine's per-step read-back of sampled tokens guarantees.
+        buffer per wrapper; a plan first waits for the previous plan's copy to the device.
         """
+        self._plan_copied.synchronize()
+        self._plan(meta, graph_batch_size)
+        self._plan_copied.record()
+
+    def _plan(self, meta: AttentionMetadata, graph_batch_size: int | None) -> None:
         shape = self.shape
         common = dict(q_data_type=shape.dtype, kv_data_type=shape.dtype, o_data_type=shape.dtype)
         if graph_batch_size is not None:

@@ -83,6 +83,8 @@ class FlashInferMLAPlanner:
         self.graph_batch_sizes = check_graph_sizes(graph_batch_sizes)
         self._graph_indices = None
         self._graph: dict[int, Any] = {}
+        # NOTE: the next plan waits for this plan's staged copies (see FlashInferAttentionPlanner).
+        self._plan_copied = torch.cuda.Event()
         if self.graph_batch_sizes:
             capacity = max_num_pages + self.graph_batch_sizes[-1]  # NOTE: one page per padding sequence
             self._graph_indices = torch.zeros(capacity, dtype=torch.int32, device=self.device)
@@ -124,6 +126,11 @@ class FlashInferMLAPlanner:
         meta.plan = FlashInferStepPlan(self._eager, layout.num_tokens, self.shape.scale, None, "mla")
 
     def _plan(self, wrapper, layout: StepLayout) -> None:
+        self._plan_copied.synchronize()
+        self._plan_wrapper(wrapper, layout)
+        self._plan_copied.record()
+
+    def _plan_wrapper(self, wrapper, layout: StepLayout) -> None:
         shape = self.shape
         # NOTE: CPU metadata: flashinfer plans on the host and copies it to the device
         # (into the fixed buffers under CUDA graphs) with non-blocking copies.

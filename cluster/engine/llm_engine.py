@@ -3,7 +3,11 @@
 A step is three calls: ``scheduler.schedule()`` picks the requests and token
 counts, ``runner.execute()`` runs the forward pass and samples, and
 ``_update()`` appends the tokens, detokenizes them, checks the stop conditions
-and finishes requests (which frees their blocks at once). ``n > 1`` requests are
+and finishes requests (which frees their blocks at once). With overlap scheduling
+(on by default for an in-process CUDA runner, off with ``--disable-overlap-schedule``;
+:mod:`~flotilla.cluster.engine.overlap`) a step launches the next forward before it
+reads the previous step's tokens, so each ``step()`` returns the deltas of the step
+before it and one more ``step()`` drains the last. ``n > 1`` requests are
 ``n`` child sequences over the same prompt: the prefix cache shares the prompt's
 full blocks among them.
 
@@ -31,6 +35,7 @@ from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_sto
 from flotilla.cluster.engine.dp_scheduler import build_scheduler, can_grow_elastic_ep
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner, max_num_seqs_for
 from flotilla.cluster.engine.outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput, StepLogprobs
+from flotilla.cluster.engine.overlap import PENDING_TOKEN, InflightStep, can_feed
 from flotilla.cluster.engine.request import Request, RequestStatus
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
@@ -104,6 +109,10 @@ class LLMEngine:
         placement: Ray resources that ranks on a worker group need besides their CPU or GPU
             (``{"ranks": {...}, "joiners": {...}}``, see :func:`build_runner`); also used by
             :meth:`restart`.
+        overlap: overlap scheduling (see the module docstring); None: on when the runner
+            runs in this process on CUDA (it has ``launch``) and the config does not set
+            ``disable_overlap_schedule``. True forces it on any in-process runner (CPU
+            tests of the bookkeeping).
     """
 
     def __init__(
@@ -113,6 +122,7 @@ class LLMEngine:
         tokenizer: Any = None,
         runner: ModelRunner | None = None,
         placement: dict[str, dict[str, float]] | None = None,
+        overlap: bool | None = None,
     ):
         self.config = config
         self.source = source
@@ -133,6 +143,19 @@ class LLMEngine:
         self._hold_kv: set[str] = set()
         # Set when the runner failed (a worker died, a collective timed out): see restart().
         self.dead: EngineDeadError | None = None
+        self.overlap = self._overlap_wanted(overlap)
+        # The launched step whose tokens are still on the device (overlap scheduling).
+        self._inflight: InflightStep | None = None
+
+    def _overlap_wanted(self, overlap: bool | None) -> bool:
+        in_process = hasattr(self.runner, "launch")
+        if overlap is not None:
+            if overlap and not in_process:
+                raise ValueError(f"overlap=True needs an in-process runner; {type(self.runner).__name__} has no launch()")
+            return overlap
+        device = getattr(self.runner, "device", None)
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        return in_process and on_cuda and not bool(getattr(self.config, "disable_overlap_schedule", False))
 
     # -- requests ----------------------------------------------------------------
 
@@ -238,7 +261,7 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (complete once ``finished``)."""
@@ -265,7 +288,10 @@ class LLMEngine:
         return deltas
 
     def step(self) -> list[CompletionDelta]:
-        """Run one engine step; returns what each completion gained (plus aborts since the last step)."""
+        """Run one engine step; returns what each completion gained (plus aborts since the last step).
+        With overlap scheduling the gains are those of the step launched by the previous call."""
+        if self.overlap:
+            return self._step_overlapped()
         deltas, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             return deltas
@@ -282,6 +308,43 @@ class LLMEngine:
         advanced = self.scheduler.update(step, {rid: t.token_id for rid, t in by_id.items()})
         for request in advanced:
             delta = self._update(self._sequences[request.request_id], by_id[request.request_id])
+            self._keep_for_stream(delta)
+            deltas.append(delta)
+        return deltas
+
+    def _step_overlapped(self) -> list[CompletionDelta]:
+        """One step under overlap scheduling: launch the next step, then resolve the one in flight."""
+        deltas, self._pending = self._pending, []
+        step = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        try:
+            if step is None or step.is_empty:
+                return deltas + self._resolve_inflight()
+            sampling = [item.request for item in step.scheduled if item.samples]
+            rows = [self._sampling_row(self._sequences[r.request_id]) for r in sampling]
+            if self._inflight is not None and not can_feed(step, self._inflight, rows, self._hold_kv):
+                deltas += self._resolve_inflight()
+            batch = self.runner.launch(step, rows, self._inflight.feed if self._inflight is not None else None)
+            deltas += self._resolve_inflight()
+        except Exception as exc:  # noqa: BLE001 - as in step(): fail every request, never hang
+            self._inflight = None
+            return deltas + self._fail_in_flight(exc)
+        # NOTE: after the resolve, so the stop checks above saw no placeholder of this step
+        # and requests they finished are skipped here.
+        advanced = self.scheduler.update(step, dict.fromkeys((r.request_id for r in sampling), PENDING_TOKEN))
+        self._inflight = InflightStep.launched(batch, sampling, advanced)
+        return deltas
+
+    def _resolve_inflight(self) -> list[CompletionDelta]:
+        """Wait for the step in flight (if any) and apply its tokens: the deltas it made."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        deltas = []
+        for request, token in inflight.resolve():
+            seq = self._sequences.get(request.request_id)
+            if seq is None or seq.request is not request:
+                continue  # aborted (or failed) since the launch
+            delta = self._update(seq, token)
             self._keep_for_stream(delta)
             deltas.append(delta)
         return deltas
@@ -309,6 +372,7 @@ class LLMEngine:
             stop()
         self.runner = build_runner(self.config, self.source, **self.placement)
         self.scheduler = build_scheduler(self.config, scheduler_config_for(self.config, self.runner.kv_layout))
+        self._inflight = None
         self.dead = None
 
     def commit_elastic_join(self, joiners: Any) -> None:
@@ -492,7 +556,7 @@ class LLMEngine:
 
     def iter_outputs(self) -> Iterator[CompletionDelta]:
         """Step until every request has finished, yielding each delta as it is made."""
-        while self.scheduler.has_unfinished() or self._pending:
+        while self.has_unfinished_requests() or self._pending:
             yield from self.step()
 
     def stream(self, request_id: str) -> Iterator[CompletionDelta]:

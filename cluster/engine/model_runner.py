@@ -28,7 +28,8 @@ from flotilla.cluster.engine.input_staging import InputStaging
 from flotilla.cluster.engine.kernel_backends import has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv_attachable
 from flotilla.cluster.engine.request import Request
-from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
+from flotilla.cluster.engine.overlap import PENDING_TOKEN, TokenFeed
+from flotilla.cluster.engine.sampler import SampledBatch, SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from flotilla.cluster.engine.weight_packing import pack_linear_layers
@@ -329,22 +330,35 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Run one step; returns one token per scheduled request that samples (in schedule
         order), sampled with ``rows`` (one per such request, same order)."""
-        logits = self.step_logits(step)
-        if not rows:
-            return []
-        if len(rows) != logits.shape[0]:
-            raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
-        return self.sampler(logits, rows)
+        batch = self.launch(step, rows)
+        return [] if batch is None else batch.resolve()
 
     @torch.inference_mode()
-    def step_logits(self, step: SchedulerOutput) -> torch.Tensor:
+    def launch(
+        self, step: SchedulerOutput, rows: Sequence[SamplingRow], feed: TokenFeed | None = None
+    ) -> SampledBatch | None:
+        """:meth:`execute` without waiting for the tokens (overlap scheduling, see
+        :mod:`~flotilla.cluster.engine.overlap`): queues the step and its sampling on the
+        device and returns the :class:`SampledBatch` (None when no request samples).
+        ``feed`` fills the step's pending input tokens from a previous step's device ids."""
+        logits = self.step_logits(step, feed)
+        if not rows:
+            return None
+        if len(rows) != logits.shape[0]:
+            raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
+        return self.sampler.launch(logits, rows)
+
+    @torch.inference_mode()
+    def step_logits(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step's forward; returns the float32 logits ``[N, V]`` of its ``N`` sampling
         requests (schedule order; ``[0, V]`` when none samples, without running the LM head).
 
         A pure decode step that fits a captured CUDA graph replays it (every row's logits,
         valid until the next step); any other step runs eagerly (attention planned once, then
-        the forward)."""
-        input_ids, positions, meta, sample_index = self.prepare_inputs(step)
+        the forward). ``feed``: see :meth:`launch`."""
+        input_ids, positions, meta, sample_index = self.prepare_inputs(step, allow_pending=feed is not None)
+        if feed is not None:
+            _feed_pending_tokens(input_ids, step, feed)
         if self.graphs is not None:
             logits = self.graphs.run(input_ids, positions, meta)
             if logits is not None:
@@ -374,9 +388,13 @@ class ModelRunner:
         """The forward and every row's logits (what a decode graph captures; no planning)."""
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
-    def prepare_inputs(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare_inputs(
+        self, step: SchedulerOutput, allow_pending: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids[T], positions[T], meta, sample_index[N])`` of a step, where
         ``sample_index`` holds the flat index of the last new token of each sampling request.
+        A pending token (overlap scheduling) is a ValueError unless ``allow_pending``: the
+        caller then fills those ids on the device.
 
         ``meta`` also carries the planner's CPU int32 fields (``page_indptr``, ``page_indices``,
         ``last_page_len``, ``query_start_cpu``, ``seq_lens_cpu``); see :class:`InputStaging`
@@ -425,6 +443,8 @@ class ModelRunner:
                 sample_index.append(query_start[-1] - 1)
         if seq_lens and max_query_len == 0:
             max_query_len = 1
+        if not allow_pending and input_ids and min(input_ids) == PENDING_TOKEN:
+            raise ValueError("the step holds a pending token (overlap scheduling): launch it with the previous step's feed")
         return self._staging.build(
             input_ids, positions, slots, query_start, seq_lens, sample_index,
             pages, page_indptr, last_page_len, block_size, max_query_len,
@@ -493,3 +513,22 @@ def _multi_rank(parallel: ParallelLayout) -> bool:
     """Whether this rank shares its forward with other ranks (any group above one rank)."""
     sizes = (parallel.tp_size, parallel.ep_size, parallel.moe_tp_size, parallel.dp_size, parallel.dcp_size)
     return max(sizes) > 1 or any(getattr(c, "size", 1) > 1 for c in parallel.comms.values())
+
+
+def _feed_pending_tokens(input_ids: torch.Tensor, step: SchedulerOutput, feed: TokenFeed) -> None:
+    """Write ``feed``'s device ids over the step's pending input tokens (queued on the
+    device: no host sync). The usual decode step, where every row is pending and in the
+    previous step's row order, is one copy."""
+    dst, src = feed.gather_plan(step)
+    if not dst:
+        return
+    n = len(dst)
+    if dst == src == list(range(n)):
+        input_ids[:n].copy_(feed.token_ids[:n])
+        return
+    device = input_ids.device
+    pinned = device.type == "cuda"
+    dst_t = torch.tensor(dst, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=True)
+    src_t = torch.tensor(src, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=True)
+    input_ids.index_copy_(0, dst_t, feed.token_ids.index_select(0, src_t))
+

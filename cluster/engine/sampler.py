@@ -74,6 +74,42 @@ class SampledToken:
 _SAMPLING_BACKENDS = ("torch", "flashinfer")
 
 
+class SampledBatch:
+    """One step's chosen tokens, queued on the device (see :meth:`Sampler.launch`).
+
+    Attributes:
+        token_ids: ``[B]`` int64 chosen ids on the logits' device, valid at once for
+            kernels queued after them (a next step's input ids).
+
+    On CUDA the ids start a non-blocking copy into pinned host memory when made;
+    :meth:`resolve` waits for that copy alone (an event), not for later work on the
+    stream, so a caller can queue the next step before resolving this one.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]):
+        self.token_ids = token_ids
+        self._raw_logprobs = raw_logprobs
+        self._rows = rows
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if token_ids.is_cuda and raw_logprobs is None:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def resolve(self) -> list[SampledToken]:
+        """The chosen tokens (with logprobs where asked for), in row order; waits for them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            ids = self._host.tolist()
+        else:
+            ids = self.token_ids.tolist()
+        if self._raw_logprobs is None:
+            return [SampledToken(t) for t in ids]
+        return _with_logprobs(ids, self._raw_logprobs, self._rows, self.token_ids)
+
+
 class Sampler:
     """Picks one token per row of a ``[B, V]`` logits tensor (see the module docstring).
 
@@ -97,6 +133,14 @@ class Sampler:
         return self.sample(logits, rows)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        return self.launch(logits, rows).resolve()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> "SampledBatch":
+        """Queue the sampling of ``logits`` on its device and return without waiting: the
+        chosen ids are in :attr:`SampledBatch.token_ids` (on the device) at once, and
+        :meth:`SampledBatch.resolve` turns them into :class:`SampledToken` s.
+
+        NOTE: penalties read each row's ``token_ids`` now, on the host."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows were given")
         logits = logits.float()
@@ -104,11 +148,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
-        token_ids = self._choose(logits, rows)
-        ids = token_ids.tolist()
-        if raw_logprobs is None:
-            return [SampledToken(t) for t in ids]
-        return _with_logprobs(ids, raw_logprobs, rows, token_ids)
+        return SampledBatch(self._choose(logits, rows), raw_logprobs, list(rows))
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [r.params.greedy for r in rows]
@@ -121,14 +161,14 @@ class Sampler:
             fast = [i for i in sampled if rows[i].generator is None]
             sampled = [i for i in sampled if rows[i].generator is not None]
         if fast:
-            index = torch.tensor(fast, dtype=torch.long, device=logits.device)
+            index = _device_index(fast, logits.device)
             params = [rows[i].params for i in fast]
             # NOTE: the parameter vectors stay on the CPU: the op picks its kernels from them there.
             chosen[index] = self._sample_tokens(
                 logits.index_select(0, index), *_param_vectors(params, logits.shape[1], "cpu"), self.generator
             )
         if sampled:
-            index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+            index = _device_index(sampled, logits.device)
             sub_rows = [rows[i] for i in sampled]
             probs = truncated_probs(logits.index_select(0, index), [r.params for r in sub_rows])
             noise = self._exponential_noise(probs, sub_rows)
@@ -187,6 +227,14 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     presence = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
     frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
     return logits - presence * (out_counts > 0) - frequency * out_counts
+
+
+def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 tensor on ``device``; on CUDA through pinned memory, so the copy
+    is queued instead of waiting for the work already on the stream (overlap scheduling)."""
+    if device.type != "cuda":
+        return torch.tensor(rows, dtype=torch.long, device=device)
+    return torch.tensor(rows, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 def _token_matrix(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
