@@ -22,6 +22,11 @@ export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$HOME}"
 if ls "$cache_dir"/ficache.tgz.part-* >/dev/null 2>&1; then
     mkdir -p "$FLASHINFER_WORKSPACE_BASE/.cache"
     cat "$cache_dir"/ficache.tgz.part-* | tar xzf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" && echo "flashinfer JIT cache restored"
+    # NOTE: flashinfer runs ninja on every module load, and ninja rebuilds a module whose build
+    # time (recorded in its .ninja_log) is older than any input, the wheel's headers included;
+    # pip stamped those with the install time just now. Date the installed package back so a
+    # cache built earlier stays valid (see docs/gpu.md, "Shipping a prebuilt cache").
+    find "$site/flashinfer" -exec touch -h -d "2000-01-01 00:00:00" {} +
 fi
 save_flashinfer_cache() {
     mkdir -p "$1" && tar czf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" flashinfer | split -b 15M - "$1/ficache.tgz.part-"
