@@ -19,14 +19,25 @@ export PYTHONPATH="$site:/tmp/flotilla-pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNB
 export FLASHINFER_CUDA_ARCH_LIST="${FLASHINFER_CUDA_ARCH_LIST:-9.0a}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$HOME}"
+# install_flashinfer_aot CACHE: every compiled module of a flashinfer JIT cache copied into the
+# installed package's AOT directory (flashinfer/data/aot/NAME/NAME.so). flashinfer loads an AOT
+# module as it is; a JIT-cache module goes through ninja first, which rebuilds it when the
+# build time in its .ninja_log is older than the package's headers, i.e. always on a machine
+# where the wheel was installed after the cache was built.
+install_flashinfer_aot() {
+    local so name count=0
+    for so in "$1"/*/*/cached_ops/*/*.so; do
+        [ -f "$so" ] || continue
+        name="$(basename "$(dirname "$so")")"
+        [ "$(basename "$so" .so)" = "$name" ] || continue
+        mkdir -p "$site/flashinfer/data/aot/$name" && cp "$so" "$site/flashinfer/data/aot/$name/" && count=$((count + 1))
+    done
+    echo "flashinfer: $count prebuilt modules installed as AOT"
+}
 if ls "$cache_dir"/ficache.tgz.part-* >/dev/null 2>&1; then
     mkdir -p "$FLASHINFER_WORKSPACE_BASE/.cache"
     cat "$cache_dir"/ficache.tgz.part-* | tar xzf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" && echo "flashinfer JIT cache restored"
-    # NOTE: flashinfer runs ninja on every module load, and ninja rebuilds a module whose build
-    # time (recorded in its .ninja_log) is older than any input, the wheel's headers included;
-    # pip stamped those with the install time just now. Date the installed package back so a
-    # cache built earlier stays valid (see docs/gpu.md, "Shipping a prebuilt cache").
-    find "$site/flashinfer" -exec touch -h -d "2000-01-01 00:00:00" {} +
+    install_flashinfer_aot "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer"
 fi
 save_flashinfer_cache() {
     mkdir -p "$1" && tar czf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" flashinfer | split -b 15M - "$1/ficache.tgz.part-"
