@@ -3,7 +3,7 @@
 # and restores / saves flashinfer's JIT cache as an archive split into parts small enough to
 # carry between machines.
 #
-#   source benchmarks/gpu_env.sh WHEEL_DIR [CACHE_DIR]
+#   source benchmarks/gpu_env.sh WHEEL_DIR [CACHE_DIR]     # FLOTILLA_PREBUILT_ONLY=1: never JIT-compile
 #   ... run tests / benchmarks ...
 #   save_flashinfer_cache OUT_DIR        # OUT_DIR/ficache.tgz.part-aa, -ab, ... (15 MiB each)
 #
@@ -38,6 +38,9 @@ if ls "$cache_dir"/ficache.tgz.part-* >/dev/null 2>&1; then
     mkdir -p "$FLASHINFER_WORKSPACE_BASE/.cache"
     cat "$cache_dir"/ficache.tgz.part-* | tar xzf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" && echo "flashinfer JIT cache restored"
     install_flashinfer_aot "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer"
+    # With FLOTILLA_PREBUILT_ONLY=1 a module the cache lacks is an error at once
+    # (flashinfer's MissingJITCacheError) instead of minutes of compiling inside a timed run.
+    [ "${FLOTILLA_PREBUILT_ONLY:-0}" = 1 ] && export FLASHINFER_DISABLE_JIT=1
 fi
 save_flashinfer_cache() {
     mkdir -p "$1" && tar czf - -C "$FLASHINFER_WORKSPACE_BASE/.cache" flashinfer | split -b 15M - "$1/ficache.tgz.part-"
