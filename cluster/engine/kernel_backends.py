@@ -108,8 +108,9 @@ class KernelBackends:
         attention: paged attention, MLA attention and the per-step attention planner.
         elementwise: RMSNorm (with fused residual add), rotary embedding, SiLU-and-mul.
         moe: the fused expert computation of MoE layers.
-        linear: the dense projections' GEMM (``triton``: batch-1 decode steps on a Triton
-            GEMV, every other shape on ``F.linear``; the embedding and LM head stay on torch).
+        linear: the dense projections' and MoE routers' GEMM (``triton``: batch-1 decode steps
+            on a Triton GEMV, every other shape on ``F.linear``; the embedding and LM head stay
+            on torch).
         sampling: top-k/top-p/min-p sampling from probabilities.
         chosen_by: for each family, the resolved setting that chose it (``"attention_backend='fa3'"``),
             for messages and the start-up report; not part of equality.

@@ -33,15 +33,16 @@ LinearOp = Callable[..., torch.Tensor]
 
 
 def use_linear_op(model: nn.Module, linear_op: LinearOp, **fused_ops: Callable | None) -> int:
-    """Run every column- and row-parallel linear layer of ``model`` on ``linear_op`` (a kernel
-    backend's ``linear``, e.g. the Triton decode GEMV), and hand each fused op to the modules
-    that have an attribute of its name (None there means "run the separate ops"):
-    ``silu_and_mul_linear`` (gated MLPs: the activation fused into the down projection),
-    ``rms_norm_linear`` (decoder layers: a norm fused into the projection after it).
-    Returns how many linear layers changed. The embedding and LM head keep ``F.linear``."""
+    """Run every module of ``model`` that has a ``linear_op`` (the column- and row-parallel
+    linear layers, MoE routers) on ``linear_op`` (a kernel backend's ``linear``, e.g. the Triton
+    decode GEMV), and hand each fused op to the modules that have an attribute of its name (None
+    there means "run the separate ops"): ``silu_and_mul_linear`` (gated MLPs: the activation
+    fused into the down projection), ``rms_norm_linear`` (decoder layers: a norm fused into the
+    projection after it). Returns how many modules got ``linear_op``. The embedding and LM head
+    keep ``F.linear``."""
     changed = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if hasattr(module, "linear_op"):
             module.linear_op = linear_op
             changed += 1
         for name, op in fused_ops.items():

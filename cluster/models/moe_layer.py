@@ -77,9 +77,11 @@ class MoERouter(nn.Module):
             bias = torch.zeros(num_experts, dtype=torch.float32)
             self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
             self.e_score_correction_bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        # NOTE: the GEMM kernel; use_linear_op swaps in a CUDA backend's (a batch-1 GEMV).
+        self.linear_op = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return self.linear_op(x.to(self.weight.dtype), self.weight)
 
 
 class FusedMoE(nn.Module):
