@@ -315,8 +315,10 @@ class LLMEngine:
     def _step_overlapped(self) -> list[CompletionDelta]:
         """One step under overlap scheduling: launch the next step, then resolve the one in flight."""
         deltas, self._pending = self._pending, []
-        step = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         try:
+            if self._inflight is not None and self._inflight.all_reach_max_tokens():
+                deltas += self._resolve_inflight()
+            step = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
             if step is None or step.is_empty:
                 return deltas + self._resolve_inflight()
             sampling = [item.request for item in step.scheduled if item.samples]

@@ -18,7 +18,9 @@ With overlap (SGLang's default; ``--disable-overlap-schedule`` turns it off) the
 
 A step whose inputs cannot be fed that way runs after step N resolves (:func:`can_feed`):
 a pending token inside a prefill chunk (a preempted request recomputed), penalties
-(they read the token history on the host), or a request whose KV blocks outlive it.
+(they read the token history on the host), or a request whose KV blocks outlive it. When
+every request of step N reaches ``max_tokens`` with it (the end of a batch-1 stream), step
+N resolves before anything is scheduled, so no whole step is computed for nothing.
 
 NOTE: placeholders never reach the prefix cache: a full block is committed when its
 tokens are computed, which happens one step after the token is written, and step N+1's
@@ -97,6 +99,11 @@ class InflightStep:
         feed = TokenFeed(batch.token_ids, rows) if batch is not None else None
         pending = [(r, len(r.all_token_ids) - 1, len(r.output_token_ids) - 1) for r in advanced]
         return cls(batch, feed, pending)
+
+    def all_reach_max_tokens(self) -> bool:
+        """Whether every request that sampled in this step ends with its pending token (its
+        ``max_tokens``): then nothing is worth launching before it resolves."""
+        return bool(self.requests) and all(request.reached_max_tokens for request, _, _ in self.requests)
 
     def resolve(self) -> list[tuple[Request, SampledToken]]:
         """Wait for the tokens, write them over the placeholders and return each request

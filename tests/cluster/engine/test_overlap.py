@@ -124,6 +124,24 @@ def test_each_step_returns_the_tokens_of_the_step_before(model_path):
     assert_no_leak(engine)
 
 
+def test_a_stream_ending_at_max_tokens_computes_no_extra_step(model_path):
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    serial, overlapped = make_engine(model_path, False), make_engine(model_path, True)
+    counts = count_feeds(overlapped)
+    serial_launches = {"n": 0}
+    execute = serial.runner.execute
+
+    def counted(step, rows):
+        serial_launches["n"] += 1
+        return execute(step, rows)
+
+    serial.runner.execute = counted
+    assert run(overlapped, PROMPTS[:1], params) == run(serial, PROMPTS[:1], params)
+    # one prefill and six decodes either way: the last token resolves before a 7th decode
+    assert counts["launches"] == serial_launches["n"] == 7, (counts, serial_launches)
+    assert_no_leak(overlapped)
+
+
 def test_abort_while_a_step_is_in_flight(model_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = run(make_engine(model_path, False), PROMPTS[:1], params)
