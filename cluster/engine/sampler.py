@@ -83,7 +83,9 @@ class SampledBatch:
 
     On CUDA the ids start a non-blocking copy into pinned host memory when made;
     :meth:`resolve` waits for that copy alone (an event), not for later work on the
-    stream, so a caller can queue the next step before resolving this one.
+    stream, so a caller can queue the next step before resolving this one. NOTE: a batch
+    with logprobs reads them back with ``tolist()``, which waits for everything queued on
+    the stream, the next step included: correct, but that step is not overlapped.
     """
 
     def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]):

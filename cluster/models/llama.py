@@ -517,6 +517,7 @@ class DecoderLayer(nn.Module):
             return None
         qkv, residual = out
         hidden = attn.attend(positions, qkv, kv_cache, meta, cos_sin_cache)
+        # NOTE: hidden is o_proj's fresh one-row output, so this call takes it too.
         norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
         gate_up_out, residual = self.rms_norm_linear(hidden, residual, norm.weight, norm.eps, gate_up.weight, gate_up.bias)
         return self.mlp.down(gate_up_out), residual
