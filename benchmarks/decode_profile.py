@@ -4,12 +4,15 @@ replay the graph of one batch size under torch's profiler and print the kernels 
 time, grouped into families (GEMM, attention, norm, RoPE, KV write, activation, MoE, other).
 
     python benchmarks/decode_profile.py --shape llama-3.1-8b --batch-size 1 [--context 512]
-        [--replays 20] [--json OUT] [--eager] [any server flag as --name value]
+        [--replays 20] [--json OUT] [--eager] [--without OP,...] [any server flag as --name value]
 
 ``--eager`` profiles eager forwards instead (``--disable-cuda-graph``: launch gaps show up as
 idle time between kernels). The replays run padding rows (one token of context each, see
 ``DecodeGraphs.time_replay``), so attention is at its cheapest; ``--context`` instead decodes
-real requests of that many prompt tokens and profiles their steps.
+real requests of that many prompt tokens and profiles their steps. ``--without`` turns fused
+decode ops off for a side-by-side (``rms_norm_linear``, ``silu_and_mul_linear``,
+``qkv_prepare``: the separate ops run; ``linear``: ``F.linear`` for every projection;
+``pdl``: the Triton GEMVs without programmatic dependent launch).
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
@@ -55,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--without", default="", help="comma-separated ops to turn off: " + ", ".join(ABLATABLE))
     opts, rest = parser.parse_known_args(argv)
+    without = [op for op in opts.without.split(",") if op]
+    unknown = sorted(set(without) - set(ABLATABLE))
+    if unknown:
+        parser.error(f"--without: unknown op(s) {unknown}; choose from {list(ABLATABLE)}")
+    _turn_off(without)
     flags = _server_flags(rest)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -86,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if on_cuda:
             torch.cuda.synchronize()
     steps = opts.replays + (1 if replay else 0)
+    # Outside the profiler (which adds per-kernel overhead): the graph's plain replay time.
+    replay_ms = runner.graphs.time_replay(opts.batch_size, 50) if replay else None
     kernels = []
     for event in prof.key_averages():
         cuda_us = getattr(event, "device_time_total", 0.0) if on_cuda else event.self_cpu_time_total
@@ -99,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(families.values())
     name = opts.shape or str(opts.model)
     print(f"{name} batch {opts.batch_size}: {'graph replay' if replay else 'eager steps'} x {steps}, "
-          f"kernel time per step {max(total, 1e-9) / 1e3:.3f} ms (graphs: {runner.startup_report()['graph_batch_sizes'][:4]}...)")
+          f"kernel time per step {max(total, 1e-9) / 1e3:.3f} ms (graphs: {runner.startup_report()['graph_batch_sizes'][:4]}...)"
+          + (f", graph replay unprofiled {replay_ms:.3f} ms" if replay_ms is not None else "")
+          + (f", without {','.join(without)}" if without else ""))
     for family, us in sorted(families.items(), key=lambda item: -item[1]):
         print(f"  {family:<20} {us / 1e3:8.3f} ms  {100 * us / max(total, 1e-9):5.1f}%")
     print("top kernels (per step):")
@@ -108,11 +121,37 @@ def main(argv: list[str] | None = None) -> int:
     if opts.json:
         opts.json.write_text(json.dumps({
             "shape": name, "batch_size": opts.batch_size, "mode": "graph replay" if replay else "eager steps",
-            "steps": steps, "kernel_ms_per_step": total / 1e3, "families_ms": {k: v / 1e3 for k, v in families.items()},
+            "steps": steps, "without": without, "replay_ms": replay_ms, "kernel_ms_per_step": total / 1e3, "families_ms": {k: v / 1e3 for k, v in families.items()},
             "kernels": kernels,
         }, indent=2))  # fmt: skip
     llm.shutdown()
     return 0
+
+
+ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", "pdl")
+
+
+def _turn_off(ops: list[str]) -> None:
+    """Make the kernel registry hand out the unfused choice for ``ops`` in this process: None
+    for a fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
+    ``pdl``: the Triton GEMVs launched without programmatic dependent launch."""
+    if "pdl" in ops:
+        from flotilla.kernels import triton_gemv
+
+        triton_gemv.PDL = False
+    ops = [op for op in ops if op != "pdl"]
+    if not ops:
+        return
+    from flotilla.kernels import registry
+
+    lookup = registry.get
+
+    def get(op: str, backend: str = "torch"):
+        if op in ops:
+            return lookup("linear", "torch") if op == "linear" else None
+        return lookup(op, backend)
+
+    registry.get = get
 
 
 def _server_flags(rest: list[str]) -> dict[str, object]:

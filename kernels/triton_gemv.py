@@ -18,32 +18,66 @@ shape to ``F.linear``.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 
 from flotilla.kernels.registry import register
 
 MAX_ROWS = 4  # the largest M this kernel is meant for; larger batches use cuBLAS
-# The fused-norm GEMV's grid: each program re-reads the whole input row once for its norm.
-NORM_PROGRAMS_PER_SM = 4
+# Launch the GEMVs as programmatic dependents on SM90+ (see _gemv_kernel). A switch so a
+# benchmark can measure without it (benchmarks/decode_profile.py --without pdl).
+PDL = True
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _supports_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl_options(device: torch.device) -> dict[str, bool]:
+    """The launch options of a programmatic dependent launch on ``device`` ({} where off)."""
+    pdl = PDL and not _INTERPRETER and device.type == "cuda" and _supports_pdl(device)
+    return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+
+
+@triton.jit
+def _weight_tile(w_rows, k, col_ok, K, EVEN_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at columns ``k`` (zeros past N and K)."""
+    if EVEN_K:
+        return tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
+    else:
+        return tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_accumulate(acc, w, x_rows, k, row_ok, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """``acc[M, N, K] += w * x`` for the tile at columns ``k`` (x loaded here)."""
+    # NOTE: with SILU_MUL, x is a gated MLP's [M, 2K] gate|up output and the GEMV's input is
+    # silu(gate) * up, rounded to x's dtype as the separate activation kernel would store it.
+    if EVEN_K:
+        x_ok = row_ok[:, None]
+    else:
+        x_ok = row_ok[:, None] & (k < K)[None, :]
+    x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
+    if SILU_MUL:
+        gate = x.to(tl.float32)
+        up = tl.load(x_rows + K + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+        x = (gate / (1.0 + tl.exp(-gate)) * up).to(x.dtype)
+    return acc + w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # NOTE: with SILU_MUL, x is a gated MLP's [M, 2K] gate|up output and the GEMV's input is
-    # silu(gate) * up, rounded to x's dtype as the separate activation kernel would store it.
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -52,21 +86,20 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + rows[:, None] * stride_xm
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        # Launched as a programmatic dependent: this program may run while the kernel before
+        # drains. The weights do not depend on that kernel (x does), so the first weight tile
+        # is read before waiting for it; the next kernel may launch as soon as we run.
+        w = _weight_tile(w_rows, ks, col_ok, K, EVEN_K)
+        tl_cuda.gdc_launch_dependents()
+        tl_cuda.gdc_wait()
+        acc = _gemv_accumulate(acc, w, x_rows, ks, row_ok, K, EVEN_K, SILU_MUL)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k = k0 + ks
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
-            x_ok = row_ok[:, None]
-        else:
-            k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x_ok = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
-        if SILU_MUL:
-            gate = x.to(tl.float32)
-            up = tl.load(x_rows + K + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        w = _weight_tile(w_rows, k, col_ok, K, EVEN_K)
+        acc = _gemv_accumulate(acc, w, x_rows, k, row_ok, K, EVEN_K, SILU_MUL)
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -75,53 +108,55 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _norm_accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, r_out_ptr, k, K, store_residual, HAS_RESIDUAL: tl.constexpr):
+    """One K tile of :func:`_norm_gemv_kernel`: ``(acc + w * g * h, squares + h * h)`` where
+    ``h`` is the row (plus the residual, rounded to the dtype and stored by one program)."""
+    k_ok = k < K
+    h = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        h = (h.to(tl.float32) + tl.load(r_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(r_out_ptr + k, h, mask=k_ok & store_residual)
+    hf = h.to(tl.float32)
+    xk = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32) * hf
+    return acc + w.to(tl.float32) * xk[None, :], squares + hf * hf
+
+
+@triton.jit
 def _norm_gemv_kernel(
     x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, N, K, stride_wn, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # One row: y = rms_norm(x (+ residual)) @ w^T, the normalized row never stored. Each
-    # program first sums the squares of the whole row (from L2), then streams column blocks
-    # pid, pid + P, ... (a grid of at most a few programs per SM keeps those re-reads small).
-    # Roundings follow the torch reference: the residual sum and the normalized row are
-    # rounded to the model dtype, then the weight multiplies and rounds again.
-    dtype = x_ptr.dtype.element_ty
+    # One row, one pass over K: y = rstd * sum_k w[n, k] * g[k] * h[k], the sum of squares for
+    # rstd gathered in the same loop (each program owns BLOCK_N columns and reads the row from
+    # L2 as it goes). The residual sum is rounded to the model dtype as the reference rounds
+    # it; the normalized row is not, so y can differ from the reference's roundings by about
+    # one ulp of the row's elements. (A first pass for rstd, so the row could be rounded
+    # first, cost 1.5x the weight read on the H200: the weight stream waits for it.)
     pid = tl.program_id(0)
     ks = tl.arange(0, BLOCK_K)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        # As in _gemv_kernel: the first weight tile is read before waiting for the row.
+        w = _weight_tile(w_rows, ks, col_ok, K, EVEN_K)
+        tl_cuda.gdc_launch_dependents()
+        tl_cuda.gdc_wait()
+        acc, squares = _norm_accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, r_out_ptr, ks, K, pid == 0, HAS_RESIDUAL)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k = k0 + ks
-        k_ok = k < K
-        h = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        if HAS_RESIDUAL:
-            h = (h.to(tl.float32) + tl.load(r_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-            if pid == 0:
-                tl.store(r_out_ptr + k, h, mask=k_ok)
-        hf = h.to(tl.float32)
-        squares += hf * hf
+        w = _weight_tile(w_rows, k, col_ok, K, EVEN_K)
+        acc, squares = _norm_accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, r_out_ptr, k, K, pid == 0, HAS_RESIDUAL)
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-    for block in range(pid, tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < K
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
-            else:
-                w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            h = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-            if HAS_RESIDUAL:
-                h = (h.to(tl.float32) + tl.load(r_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-            normed = (h.to(tl.float32) * rstd).to(dtype)
-            xk = (tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32) * normed.to(tl.float32)).to(dtype)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+    y = tl.sum(acc, axis=1) * rstd
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 def gemv_configs(n: int, k: int, m: int) -> list[dict[str, int]]:
@@ -140,6 +175,13 @@ def default_config(n: int, k: int, m: int) -> dict[str, int]:
     H200 sweep for one row (8 columns a program, K in chunks of 1024, or 512 where 1024
     does not divide K)."""
     return {"BLOCK_N": 8, "BLOCK_K": 1024 if k % 1024 == 0 else 512, "num_warps": 4}
+
+
+def norm_config(n: int, k: int) -> dict[str, int]:
+    """The launch configuration :func:`rms_norm_gemv` uses when none is given: within a
+    microsecond of the best of the H200 sweep on both Llama-3.1-8B shapes it runs
+    (``benchmarks/fused_probe.py``: q/k/v 15.9 us, gate/up 59.1 us, one row)."""
+    return {"BLOCK_N": 4, "BLOCK_K": 1024 if k % 1024 == 0 else 512, "num_warps": 4}
 
 
 def gemv(
@@ -168,7 +210,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, **cfg,
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, **cfg, **_pdl_options(x.device),
     )  # fmt: skip
     return y
 
@@ -180,11 +222,16 @@ def rms_norm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) @ weight^T + bias, x + residual)`` for ONE row ``x[1, K]``
     (without ``residual``: the norm of ``x``, and ``x`` itself as the second result), in one
-    launch: the RMSNorm (the torch reference's roundings, ``kernels/norm.py``) fused into the
-    GEMV of the projection that consumes it. Inputs are not modified."""
+    launch and one pass over the weight: the RMSNorm fused into the GEMV of the projection
+    that consumes it. The residual sum is rounded as the torch reference rounds it
+    (``kernels/norm.py``); the normalized row stays in float32 (``rstd`` scales the product
+    at the end), so the output differs from the reference by up to about one ulp of the
+    row's elements. ``config`` is a launch configuration (default :func:`norm_config`).
+    Inputs are not modified."""
     k = x.shape[-1]
     n = weight.shape[0]
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
@@ -196,16 +243,15 @@ def rms_norm_gemv(
         )
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"residual must match x {tuple(x.shape)}; got {tuple(residual.shape)}")
-    cfg = default_config(n, k, 1)
+    cfg = dict(config or norm_config(n, k))
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     new_residual = torch.empty_like(x) if residual is not None else x
-    grid = min(triton.cdiv(n, block_n), NORM_PROGRAMS_PER_SM * _num_sms(x.device))
-    _norm_gemv_kernel[(grid,)](
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
         y, new_residual, n, k, weight.stride(0), eps,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        EVEN_K=k % block_k == 0, **cfg,
+        EVEN_K=k % block_k == 0, **cfg, **_pdl_options(x.device),
     )  # fmt: skip
     return y, new_residual
 

@@ -96,7 +96,8 @@ class Comparison:
     Attributes:
         reference: ``[steps + 1]`` logits ``[B, V]`` of the reference (prefill first).
         test: the same for the runner under test.
-        tokens: the reference's greedy tokens ``[steps + 1][B]`` (what both were fed).
+        tokens: the tokens both runners were fed ``[steps + 1][B]`` (the reference's greedy
+            tokens unless :func:`teacher_forced` was given a ``feed_seed``).
     """
 
     reference: list[torch.Tensor] = field(default_factory=list)
@@ -132,15 +133,23 @@ class Comparison:
         )
 
 
-def teacher_forced(reference: ModelRunner, test: ModelRunner, prompts: list[list[int]], steps: int) -> Comparison:
-    """Run ``prompts`` through both runners, feeding both the reference's greedy token each step."""
+def teacher_forced(
+    reference: ModelRunner, test: ModelRunner, prompts: list[list[int]], steps: int, feed_seed: int | None = None
+) -> Comparison:
+    """Run ``prompts`` through both runners, feeding both the reference's greedy token each step,
+    or, with ``feed_seed``, the same seeded random tokens (a random-weights model fed its own
+    greedy token often settles on one token, which leaves one context to compare)."""
     ref_batch, test_batch = FixedBatch(reference, prompts), FixedBatch(test, prompts)
+    feed = None if feed_seed is None else torch.Generator().manual_seed(feed_seed)
     out = Comparison()
     ref_logits, test_logits = ref_batch.prefill(), test_batch.prefill()
     for step in range(steps + 1):
         out.reference.append(ref_logits)
         out.test.append(test_logits)
-        tokens = ref_logits.argmax(-1).tolist()
+        if feed is None:
+            tokens = ref_logits.argmax(-1).tolist()
+        else:
+            tokens = torch.randint(ref_logits.shape[-1], (len(prompts),), generator=feed).tolist()
         out.tokens.append(tokens)
         if step < steps:
             ref_logits, test_logits = ref_batch.decode(tokens), test_batch.decode(tokens)
@@ -209,7 +218,7 @@ def test_graph_decode_matches_eager_decode(runners, batch, replays):
     graphs, eager = runners
     prompts = random_prompts([7 + 9 * i for i in range(batch)], graphs.vocab_size, seed=batch)
     before = graphs.graphs.num_replays
-    result = teacher_forced(eager, graphs, prompts, STEPS)
+    result = teacher_forced(eager, graphs, prompts, STEPS, feed_seed=batch)
     replayed = graphs.graphs.num_replays - before
     print(result.report(f"graphs vs eager, batch {batch}"), f"replays={replayed}")
     print(assert_informative_logits(result.reference, f"eager reference, batch {batch}"))

@@ -1,0 +1,167 @@
+"""The fused batch-1 decode ops against the separate ops they replace, on the Llama-3.1-8B
+shapes: for each projection, the norm (or activation) kernel followed by cuBLAS or the Triton
+GEMV, against the Triton kernels that fuse them, over launch configurations. Each call is
+timed as CUDA-graph replays with the weight rotated through enough copies to defeat the L2
+cache (as in ``gemv_probe.py``).
+
+    python benchmarks/fused_probe.py [--json OUT]
+
+Every kernel row is measured with the Triton kernels launched as programmatic dependents
+(``triton_gemv.PDL``, the default on SM90) and again without (``(no pdl)``); ``layer`` chains
+one decoder layer's four projections both ways.
+
+Rows per shape (microseconds per call):
+- ``separate_cublas`` / ``separate_gemv``: flashinfer's fused-add RMSNorm (or SiLU-and-mul)
+  then ``F.linear`` / the Triton GEMV (the path with the ``linear`` backend ``torch`` /
+  without the fused op);
+- ``fused[...]``: ``rms_norm_gemv`` (the norm's sum of squares gathered in the product's
+  pass) or the SiLU-fused GEMV, per launch configuration (``BLOCK_N x BLOCK_K w num_warps``).
+
+Measured on the H200 (session of 2026-11-30): a first version of ``rms_norm_gemv`` that
+summed the squares in a pass of its own before streaming the weight, over a grid capped at a
+few programs per SM, took 26.6 us on q/k/v and 85.1 us on gate/up (cuBLAS alone: 15.5 and
+56.3); gathering the squares in the product's pass brought them to 15.9 and 59.1 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a script from here)
+
+NORM_SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096)}
+SILU_SHAPES = {"down": (4096, 14336)}
+L2_DEFEAT_BYTES = 512 << 20
+CONFIGS = [
+    {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+    for bn in (4, 8, 16)
+    for bk in (512, 1024)
+    for warps in (4, 8)
+]
+
+
+def _rotating(n: int, k: int) -> tuple[list[torch.Tensor], dict[str, int]]:
+    copies = max(2, L2_DEFEAT_BYTES // (n * k * 2))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)], {"i": 0}
+
+
+def _timed(fn, label: str, row: dict[str, float]) -> None:
+    try:
+        row[label] = replay_us(fn)
+    except Exception as exc:  # a configuration the compiler rejects: report and go on
+        print(f"  {label}: {type(exc).__name__}: {str(exc)[:100]}")
+
+
+def probe_norm(n: int, k: int) -> dict[str, float]:
+    from flotilla.kernels import registry
+    from flotilla.kernels.triton_gemv import gemv, rms_norm_gemv
+
+    norm = registry.get("rms_norm", "flashinfer")
+    weights, state = _rotating(n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+
+    def nxt() -> torch.Tensor:
+        state["i"] = (state["i"] + 1) % len(weights)
+        return weights[state["i"]]
+
+    row: dict[str, float] = {}
+    # NOTE: flashinfer's fused-add norm works in place; the values drift over replays, the time does not.
+    _timed(lambda: F.linear(norm(x, g, 1e-5, residual)[0], nxt()), "separate_cublas", row)
+    _timed(lambda: gemv(norm(x, g, 1e-5, residual)[0], nxt()), "separate_gemv", row)
+    _timed(lambda: F.linear(x, nxt()), "cublas_alone", row)
+    for cfg in CONFIGS:
+        tag = f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}"
+        _timed(lambda: rms_norm_gemv(x, residual, g, 1e-5, nxt(), config=cfg), f"fused[{tag}]", row)
+    _timed(lambda: rms_norm_gemv(x, residual, g, 1e-5, nxt()), "fused_default", row)
+    return row
+
+
+def probe_silu(n: int, k: int) -> dict[str, float]:
+    from flotilla.kernels import registry
+    from flotilla.kernels.triton_gemv import gemv
+
+    act = registry.get("silu_and_mul", "flashinfer")
+    weights, state = _rotating(n, k)
+    x = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+
+    def nxt() -> torch.Tensor:
+        state["i"] = (state["i"] + 1) % len(weights)
+        return weights[state["i"]]
+
+    row: dict[str, float] = {}
+    _timed(lambda: F.linear(act(x), nxt()), "separate_cublas", row)
+    _timed(lambda: gemv(act(x), nxt()), "separate_gemv", row)
+    for cfg in CONFIGS:
+        tag = f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}"
+        _timed(lambda: gemv(x, nxt(), config=cfg, silu_mul=True), f"fused[{tag}]", row)
+    return row
+
+
+def probe_layer_chain() -> dict[str, float]:
+    """One Llama-3.1-8B decoder layer's projections back to back, as the decode graph runs
+    them (norm + q/k/v, o, norm + gate/up, SiLU + down; attention left out), with and without
+    programmatic dependent launch: microseconds per layer."""
+    from flotilla.kernels import triton_gemv
+
+    dims = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    copies = max(2, L2_DEFEAT_BYTES // (sum(n * k for n, k in dims.values()) * 2))
+    layers = [
+        {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, (n, k) in dims.items()}
+        for _ in range(copies)
+    ]
+    h = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    attn = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    state = {"i": 0}
+
+    def layer():
+        state["i"] = (state["i"] + 1) % copies
+        w = layers[state["i"]]
+        triton_gemv.rms_norm_gemv(h, h, g, 1e-5, w["qkv"])
+        o = triton_gemv.gemv(attn, w["o"])
+        gate_up, _ = triton_gemv.rms_norm_gemv(o, h, g, 1e-5, w["gate_up"])
+        triton_gemv.gemv(gate_up, w["down"], silu_mul=True)
+
+    row: dict[str, float] = {}
+    for pdl in (True, False):
+        triton_gemv.PDL = pdl
+        _timed(layer, f"layer_pdl_{'on' if pdl else 'off'}", row)
+    triton_gemv.PDL = True
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path)
+    opts = parser.parse_args(argv)
+    from flotilla.kernels import triton_gemv
+
+    results: dict[str, dict[str, float]] = {"layer": probe_layer_chain()}
+    for pdl in (True, False):
+        triton_gemv.PDL = pdl
+        suffix = "" if pdl else " (no pdl)"
+        for name, (n, k) in NORM_SHAPES.items():
+            results[name + suffix] = probe_norm(n, k)
+        for name, (n, k) in SILU_SHAPES.items():
+            results[name + suffix] = probe_silu(n, k)
+    triton_gemv.PDL = True
+    for name, row in results.items():
+        best = min(((us, label) for label, us in row.items() if label.startswith("fused")), default=(float("nan"), "-"))
+        print(f"{name}: " + ", ".join(f"{label} {us:.1f}" for label, us in row.items() if not label.startswith("fused["))
+              + f"; best fused {best[0]:.1f} us {best[1]}")
+        for label, us in sorted(row.items(), key=lambda item: item[1])[:6]:
+            print(f"    {us:7.1f} us  {label}")
+    if opts.json:
+        opts.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
