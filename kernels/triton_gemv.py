@@ -40,8 +40,11 @@ def _supports_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _pdl_options(device: torch.device) -> dict[str, bool]:
-    """The launch options of a programmatic dependent launch on ``device`` ({} where off)."""
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """A Triton kernel's ``PDL`` constexpr and launch option for ``device``: a programmatic
+    dependent launch on SM90+ (off in the interpreter and while :data:`PDL` is False). A
+    kernel launched so must call ``gdc_wait`` before it reads what the kernel before wrote
+    and before it writes anything."""
     pdl = PDL and not _INTERPRETER and device.type == "cuda" and _supports_pdl(device)
     return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
 
@@ -210,7 +213,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, **cfg, **_pdl_options(x.device),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, **cfg, **pdl_options(x.device),
     )  # fmt: skip
     return y
 
@@ -251,7 +254,7 @@ def rms_norm_gemv(
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
         y, new_residual, n, k, weight.stride(0), eps,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        EVEN_K=k % block_k == 0, **cfg, **_pdl_options(x.device),
+        EVEN_K=k % block_k == 0, **cfg, **pdl_options(x.device),
     )  # fmt: skip
     return y, new_residual
 
