@@ -18,17 +18,6 @@ How it runs (four launches, no host synchronisation, so it can be captured in a 
    routing weight, written per route into ``routed[T*k, H]`` (float32).
 4. ``_sum_routes_kernel``: ``out[t] = sum_j routed[t*k + j]`` over the routes computed here.
 
-Decode batches of at most ``GEMV_MAX_TOKENS`` tokens take a shorter path of two launches,
-GEMVs over the routes themselves (no sort, no padding rows, no float32 per-route buffer):
-
-1. ``_gemv_gate_up_kernel``: per (route, column tile) the route's token times its expert's
-   gate and up rows, ``act(gate) * up`` into ``inter[T*k, I]``;
-2. ``_gemv_down_kernel``: per (token, column tile) the sum over the token's routes of the
-   routing weight times ``inter[route]`` times the expert's down rows, into ``out`` directly.
-
-On the H200 at batch 1 (Qwen3-30B-A3B shape) the four-launch path spent ~37 us a layer in
-routing, the two GEMMs and the route sum (profile in docs/benchmarks.md).
-
 Buffers are sized from host integers only (``T*k + min(E, T*k) * (BLOCK_M - 1)`` rows, the
 most that padding can need), so the launch grid is fixed for a given batch size; blocks past
 the routed rows exit at once. Block sizes come from a small table keyed by the expected rows
@@ -53,10 +42,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import cuda as tl_cuda
 
 from flotilla.kernels.registry import register
-from flotilla.kernels.triton_gemv import pdl_options
 
 # NOTE: importing triton_routing also registers ("select_experts", "triton").
 from flotilla.kernels.triton_routing import route
@@ -100,26 +87,6 @@ def pick_config(num_routes: int, num_local_experts: int) -> MoEConfig:
         if rows_per_expert <= limit:
             return config
     return CONFIGS[-1][1]
-
-
-# Decode batches up to this many tokens run the two GEMV kernels (their routes rarely share
-# an expert, so the grouped path's sort buys nothing there).
-GEMV_MAX_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class GemvMoEConfig:
-    """Tile sizes of the decode GEMV path (``*_1``: gate/up kernel, ``*_2``: down kernel)."""
-
-    block_n_1: int
-    block_k_1: int
-    warps_1: int
-    block_n_2: int
-    block_k_2: int
-    warps_2: int
-
-
-GEMV_CONFIG = GemvMoEConfig(8, 512, 4, 8, 256, 4)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -279,81 +246,6 @@ def _down_kernel(
 
 
 @triton.jit
-def _local_expert(topk_ids_ptr, expert_map_ptr, route, HAS_MAP: tl.constexpr):
-    """The local expert row of ``route`` (``-1``: another rank holds it)."""
-    expert = tl.load(topk_ids_ptr + route).to(tl.int64)
-    if HAS_MAP:
-        expert = tl.load(expert_map_ptr + expert).to(tl.int64)
-    return expert
-
-
-@triton.jit
-def _gemv_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, top_k, H, I, stride_xt, stride_we, stride_wn, stride_om,
-    ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_MAP: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    if PDL:  # the expert ids come from the kernel before: nothing to read ahead of it
-        tl_cuda.gdc_launch_dependents()
-        tl_cuda.gdc_wait()
-    route = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < I
-    expert = _local_expert(topk_ids_ptr, expert_map_ptr, route, HAS_MAP)
-    # NOTE: a route held elsewhere loads nothing (masked) and stores zeros the down kernel skips.
-    w_ok = n_ok[:, None] & (expert >= 0)
-    x_row = x_ptr + (route // top_k).to(tl.int64) * stride_xt
-    gate_rows = w_ptr + tl.maximum(expert, 0) * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    up_rows = gate_rows + I * stride_wn
-    ks = tl.arange(0, BLOCK_K)
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + ks
-        if EVEN_K:
-            x = tl.load(x_row + k).to(tl.float32)
-            mask = w_ok
-        else:
-            k_ok = k < H
-            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-            mask = w_ok & k_ok[None, :]
-        acc_gate += tl.load(gate_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
-        acc_up += tl.load(up_rows + k[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :]
-    h = _activate(tl.sum(acc_gate, axis=1), ACTIVATION) * tl.sum(acc_up, axis=1)
-    tl.store(out_ptr + route.to(tl.int64) * stride_om + cols, h.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _gemv_down_kernel(
-    a_ptr, w_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr, expert_map_ptr, top_k, H, I,
-    stride_am, stride_we, stride_wn, stride_ot,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, HAS_MAP: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    if PDL:  # NOTE: the next layer's fused-norm GEMV may then read its first weight tile during our tail
-        tl_cuda.gdc_launch_dependents()
-        tl_cuda.gdc_wait()
-    # One flat loop over (route j, K tile) so the loads pipeline across routes; each tile of
-    # inter is scaled by its routing weight before the product, so acc holds the weighted sum.
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < H
-    ks = tl.arange(0, BLOCK_K)
-    w_cols = cols[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for step in range(0, top_k * K_TILES):
-        route = token * top_k + step // K_TILES
-        k = (step % K_TILES) * BLOCK_K + ks
-        expert = _local_expert(topk_ids_ptr, expert_map_ptr, route, HAS_MAP)
-        k_ok = (k < I) & (expert >= 0)
-        a = tl.load(a_ptr + route.to(tl.int64) * stride_am + k, mask=k_ok, other=0.0).to(tl.float32)
-        a = a * tl.load(topk_weights_ptr + route).to(tl.float32)
-        w = tl.load(w_ptr + tl.maximum(expert, 0) * stride_we + w_cols + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _sum_routes_kernel(routed_ptr, route_expert_ptr, out_ptr, top_k, H, stride_rm, stride_ot, BLOCK_H: tl.constexpr):
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -424,13 +316,11 @@ def fused_moe_with_config(
     topk_ids: torch.Tensor,
     activation: str = "silu",
     expert_map: torch.Tensor | None = None,
-    config: MoEConfig | GemvMoEConfig | None = None,
+    config: MoEConfig | None = None,
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`fused_moe` with the tiles given by ``config``, for tuning: a :class:`MoEConfig`
-    runs the grouped path, a :class:`GemvMoEConfig` the decode GEMV path; None picks the GEMV
-    path (:data:`GEMV_CONFIG`) for at most ``GEMV_MAX_TOKENS`` tokens, else :func:`pick_config`.
+    """:func:`fused_moe` with the tiles given by ``config`` (None: :func:`pick_config`), for tuning.
 
     With ``w13_scale_inv``/``w2_scale_inv`` the weights are block-quantized float8 (see
     :func:`~flotilla.kernels.triton_fp8.fp8_grouped_moe`)."""
@@ -443,11 +333,6 @@ def fused_moe_with_config(
     if num_tokens == 0:
         return out
     hidden = hidden.contiguous()
-    gemv_path = isinstance(config, GemvMoEConfig) or (config is None and num_tokens <= GEMV_MAX_TOKENS)
-    if gemv_path and not w_fp8 and w13.stride(2) == 1 and w2.stride(2) == 1:
-        return _gemv_moe(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, config or GEMV_CONFIG, out)
-    if isinstance(config, GemvMoEConfig):
-        config = None  # NOTE: FP8 or column-strided experts run the grouped kernels only
     num_routes = num_tokens * top_k
     cfg = config or pick_config(num_routes, num_local)
     if w_fp8 and (128 % cfg.block_n_1 or 128 % cfg.block_k_1 or 128 % cfg.block_n_2 or 128 % cfg.block_k_2):
@@ -522,36 +407,4 @@ def fused_moe_with_config(
     _sum_routes_kernel[(num_tokens, triton.cdiv(h, block_h))](
         routed, routing.route_expert, out, top_k, h, routed.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4
     )
-    return out
-
-
-def _gemv_moe(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    activation: str,
-    expert_map: torch.Tensor | None,
-    cfg: GemvMoEConfig,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """The decode path (see the module docstring): two launches, ``out`` written directly."""
-    num_tokens, top_k = topk_ids.shape
-    h, inter_size = w2.shape[1], w2.shape[2]
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    id_map = expert_map.contiguous() if expert_map is not None else ids  # unused pointer without a map
-    inter = torch.empty(num_tokens * top_k, inter_size, dtype=hidden.dtype, device=hidden.device)
-    _gemv_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter_size, cfg.block_n_1))](
-        hidden, w13, inter, ids, id_map, top_k, h, inter_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), ACTIVATION=_ACTIVATION_CODES[activation], BLOCK_N=cfg.block_n_1, BLOCK_K=cfg.block_k_1,
-        EVEN_K=h % cfg.block_k_1 == 0, HAS_MAP=expert_map is not None, num_warps=cfg.warps_1,
-        **pdl_options(hidden.device),
-    )  # fmt: skip
-    _gemv_down_kernel[(num_tokens, triton.cdiv(h, cfg.block_n_2))](
-        inter, w2, out, weights, ids, id_map, top_k, h, inter_size, inter.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), BLOCK_N=cfg.block_n_2, BLOCK_K=cfg.block_k_2, K_TILES=triton.cdiv(inter_size, cfg.block_k_2),
-        HAS_MAP=expert_map is not None, num_warps=cfg.warps_2, **pdl_options(hidden.device),
-    )  # fmt: skip
     return out
