@@ -20,6 +20,7 @@ Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -64,8 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(without) - set(ABLATABLE))
     if unknown:
         parser.error(f"--without: unknown op(s) {unknown}; choose from {list(ABLATABLE)}")
-    _turn_off(without)
     flags = _server_flags(rest)
+    with _turned_off(without):
+        return _profile(opts, flags, without)
+
+
+def _profile(opts: argparse.Namespace, flags: dict[str, object], without: list[str]) -> int:
+    """Build the model, warm it, profile, print and write the JSON (see the module docstring)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -131,27 +137,33 @@ def main(argv: list[str] | None = None) -> int:
 ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", "pdl")
 
 
-def _turn_off(ops: list[str]) -> None:
-    """Make the kernel registry hand out the unfused choice for ``ops`` in this process: None
-    for a fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
-    ``pdl``: the Triton GEMVs launched without programmatic dependent launch."""
+@contextlib.contextmanager
+def _turned_off(ops: list[str]):
+    """While inside, the kernel registry hands out the unfused choice for ``ops``: None for a
+    fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
+    ``pdl``: the Triton GEMVs launched without programmatic dependent launch. Restored on exit."""
+    from flotilla.kernels import registry
+
+    lookup = registry.get
+    triton_gemv = None
     if "pdl" in ops:
         from flotilla.kernels import triton_gemv
 
         triton_gemv.PDL = False
-    ops = [op for op in ops if op != "pdl"]
-    if not ops:
-        return
-    from flotilla.kernels import registry
-
-    lookup = registry.get
 
     def get(op: str, backend: str = "torch"):
         if op in ops:
             return lookup("linear", "torch") if op == "linear" else None
         return lookup(op, backend)
 
-    registry.get = get
+    if any(op != "pdl" for op in ops):
+        registry.get = get
+    try:
+        yield
+    finally:
+        registry.get = lookup
+        if triton_gemv is not None:
+            triton_gemv.PDL = True
 
 
 def _server_flags(rest: list[str]) -> dict[str, object]:

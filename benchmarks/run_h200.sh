@@ -6,7 +6,7 @@
 #   benchmarks/run_h200.sh part3 OUTDIR   # DeepSeek-V2-Lite latency bs1; HF peer (Llama-3.1-8B): eager bs1, bs64, static+compiled bs1
 #   benchmarks/run_h200.sh profile OUTDIR # kernel-by-kernel GPU time of a batch-1 decode step (Llama-3.1-8B, Qwen3-30B-A3B)
 #   benchmarks/run_h200.sh tp2 OUTDIR     # 2x H200 only: Llama-3.1-8B latency bs1 at TP=2 (compare with part1's TP=1)
-#   benchmarks/run_h200.sh probes OUTDIR  # kernel probes: cuBLAS vs Triton GEMV, flashinfer decode tensor vs CUDA cores
+#   benchmarks/run_h200.sh probes OUTDIR  # kernel probes: cuBLAS vs Triton GEMV, fused norm/activation GEMVs, flashinfer decode tensor vs CUDA cores
 #
 # Each part is sized to finish in under 9 minutes with a warm flashinfer JIT cache; the first
 # part on a fresh machine also compiles flashinfer's kernels (minutes, see shared/notes/gpu-h200.md).
@@ -102,11 +102,15 @@ profile)
     # Where a batch-1 decode step's GPU time goes, kernel by kernel (graph replay under torch's profiler).
     run profile-llama-3.1-8b-bs1 "$py" benchmarks/decode_profile.py --shape llama-3.1-8b --batch-size 1 \
         --json "$out/profile-llama-3.1-8b-bs1.json"
+    # Side by side: the same graph without programmatic dependent launch of the Triton GEMVs.
+    run profile-llama-3.1-8b-bs1-no-pdl "$py" benchmarks/decode_profile.py --shape llama-3.1-8b --batch-size 1 \
+        --without pdl --json "$out/profile-llama-3.1-8b-bs1-no-pdl.json"
     run profile-qwen3-30b-a3b-bs1 "$py" benchmarks/decode_profile.py --shape qwen3-30b-a3b --batch-size 1 \
         --json "$out/profile-qwen3-30b-a3b-bs1.json"
     ;;
 probes)
     run gemv-probe "$py" benchmarks/gemv_probe.py --json "$out/gemv-probe.json"
+    run fused-probe "$py" benchmarks/fused_probe.py --json "$out/fused-probe.json"
     run attention-probe "$py" benchmarks/attention_probe.py --json "$out/attention-probe.json"
     ;;
 tp2)

@@ -344,3 +344,27 @@ def test_decode_profile_on_cpu(tmp_path, capsys):
     assert profile.family_of("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>") == "attention"
     assert profile.family_of("fused_moe_kernel") == "moe" and profile.family_of("nvjet_tst_64x8") == "gemm"
     assert "kernel time per step" in capsys.readouterr().out
+
+
+def test_decode_profile_turns_fused_ops_off_for_the_run_only(tmp_path):
+    """``--without`` hands the model the unfused ops while the profile runs and restores the
+    kernel registry afterwards; an unknown op name is a usage error naming it."""
+    from flotilla.kernels import registry
+
+    spec = importlib.util.spec_from_file_location("decode_profile", REPO / "benchmarks" / "decode_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "profile.json"
+    lookup = registry.get
+    with profile._turned_off(["rms_norm_linear", "linear"]):
+        assert registry.get("rms_norm_linear", "triton") is None
+        assert registry.get("linear", "triton") is lookup("linear", "torch")
+        assert registry.get("rms_norm", "torch") is lookup("rms_norm", "torch")
+    assert registry.get is lookup
+    argv = ["--model", str(tmp_path), "--dtype", "float32", "--replays", "2", "--json", str(out)]
+    assert profile.main(argv + ["--without", "qkv_prepare,silu_and_mul_linear"]) == 0
+    assert json.loads(out.read_text())["without"] == ["qkv_prepare", "silu_and_mul_linear"]
+    assert registry.get is lookup
+    with pytest.raises(SystemExit):
+        profile.main(argv + ["--without", "rope"])
