@@ -12,7 +12,14 @@ bf16, one row, CUDA-graph replays, weights rotated past the L2 cache): q/k/v 14.
 15.5 us, o 11.4 vs 13.5 us, down 29.7 vs 31.3 us (cuBLAS runs split-K plus a reduce kernel
 on these), gate/up 57.2 vs 55.9 us; at 2 and 4 rows cuBLAS wins. So the ``triton``
 ``linear`` backend (:func:`decode_linear`) takes one-row inputs and hands every other
-shape to ``F.linear``.
+shape to ``F.linear``. :func:`rms_norm_gemv` is the same stream with the RMSNorm before it
+folded in (``rms_norm_linear``).
+
+On SM90+ every kernel here is launched as a programmatic dependent (:data:`PDL`): it reads its
+first weight tile, lets the next kernel launch, then waits for the kernel before it (whose
+output is its input). Back-to-back projections then overlap one's drain with the next one's
+start: one Llama-3.1-8B layer's four projections took 111.3 us with it and 116.5 us without
+(``benchmarks/fused_probe.py``), the batch-1 decode graph 4.20 ms and 4.38 ms.
 """
 
 from __future__ import annotations
