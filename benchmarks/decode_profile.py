@@ -12,7 +12,7 @@ idle time between kernels). The replays run padding rows (one token of context e
 real requests of that many prompt tokens and profiles their steps. ``--without`` turns fused
 decode ops off for a side-by-side (``rms_norm_linear``, ``silu_and_mul_linear``,
 ``qkv_prepare``: the separate ops run; ``linear``: ``F.linear`` for every projection;
-``pdl``: the Triton GEMVs without programmatic dependent launch).
+``pdl``: the Triton kernels without programmatic dependent launch).
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
@@ -141,15 +141,15 @@ ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", 
 def _turned_off(ops: list[str]):
     """While inside, the kernel registry hands out the unfused choice for ``ops``: None for a
     fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
-    ``pdl``: the Triton GEMVs launched without programmatic dependent launch. Restored on exit."""
+    ``pdl``: the Triton kernels launched without programmatic dependent launch. Restored on exit."""
     from flotilla.kernels import registry
 
     lookup = registry.get
-    triton_gemv = None
+    triton_pdl = None
     if "pdl" in ops:
-        from flotilla.kernels import triton_gemv
+        from flotilla.kernels import triton_pdl
 
-        triton_gemv.PDL = False
+        triton_pdl.ENABLED = False
 
     def get(op: str, backend: str = "torch"):
         if op in ops:
@@ -162,8 +162,8 @@ def _turned_off(ops: list[str]):
         yield
     finally:
         registry.get = lookup
-        if triton_gemv is not None:
-            triton_gemv.PDL = True
+        if triton_pdl is not None:
+            triton_pdl.ENABLED = True
 
 
 def _server_flags(rest: list[str]) -> dict[str, object]:

@@ -7,7 +7,7 @@ cache (as in ``gemv_probe.py``).
     python benchmarks/fused_probe.py [--json OUT]
 
 Every kernel row is measured with the Triton kernels launched as programmatic dependents
-(``triton_gemv.PDL``, the default on SM90) and again without (``(no pdl)``); ``layer`` chains
+(``kernels/triton_pdl.py``, the default on SM90) and again without (``(no pdl)``); ``layer`` chains
 one decoder layer's four projections both ways.
 
 Rows per shape (microseconds per call):
@@ -108,7 +108,7 @@ def probe_layer_chain() -> dict[str, float]:
     """One Llama-3.1-8B decoder layer's projections back to back, as the decode graph runs
     them (norm + q/k/v, o, norm + gate/up, SiLU + down; attention left out), with and without
     programmatic dependent launch: microseconds per layer."""
-    from flotilla.kernels import triton_gemv
+    from flotilla.kernels import triton_gemv, triton_pdl
 
     dims = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     copies = max(2, L2_DEFEAT_BYTES // (sum(n * k for n, k in dims.values()) * 2))
@@ -131,9 +131,9 @@ def probe_layer_chain() -> dict[str, float]:
 
     row: dict[str, float] = {}
     for pdl in (True, False):
-        triton_gemv.PDL = pdl
+        triton_pdl.ENABLED = pdl
         _timed(layer, f"layer_pdl_{'on' if pdl else 'off'}", row)
-    triton_gemv.PDL = True
+    triton_pdl.ENABLED = True
     return row
 
 
@@ -141,17 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
     opts = parser.parse_args(argv)
-    from flotilla.kernels import triton_gemv
+    from flotilla.kernels import triton_pdl
 
     results: dict[str, dict[str, float]] = {"layer": probe_layer_chain()}
     for pdl in (True, False):
-        triton_gemv.PDL = pdl
+        triton_pdl.ENABLED = pdl
         suffix = "" if pdl else " (no pdl)"
         for name, (n, k) in NORM_SHAPES.items():
             results[name + suffix] = probe_norm(n, k)
         for name, (n, k) in SILU_SHAPES.items():
             results[name + suffix] = probe_silu(n, k)
-    triton_gemv.PDL = True
+    triton_pdl.ENABLED = True
     for name, row in results.items():
         best = min(((us, label) for label, us in row.items() if label.startswith("fused")), default=(float("nan"), "-"))
         print(f"{name}: " + ", ".join(f"{label} {us:.1f}" for label, us in row.items() if not label.startswith("fused["))

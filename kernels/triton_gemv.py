@@ -15,7 +15,7 @@ on these), gate/up 57.2 vs 55.9 us; at 2 and 4 rows cuBLAS wins. So the ``triton
 shape to ``F.linear``. :func:`rms_norm_gemv` is the same stream with the RMSNorm before it
 folded in (``rms_norm_linear``).
 
-On SM90+ every kernel here is launched as a programmatic dependent (:data:`PDL`): it reads its
+On SM90+ every kernel here is launched as a programmatic dependent (:mod:`.triton_pdl`): it reads its
 first weight tile, lets the next kernel launch, then waits for the kernel before it (whose
 output is its input). Back-to-back projections then overlap one's drain with the next one's
 start: one Llama-3.1-8B layer's four projections took 111.3 us with it and 116.5 us without
@@ -24,9 +24,6 @@ start: one Llama-3.1-8B layer's four projections took 111.3 us with it and 116.5
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -34,26 +31,9 @@ import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
 from flotilla.kernels.registry import register
+from flotilla.kernels.triton_pdl import launch_options
 
 MAX_ROWS = 4  # the largest M this kernel is meant for; larger batches use cuBLAS
-# Launch the GEMVs as programmatic dependents on SM90+ (see _gemv_kernel). A switch so a
-# benchmark can measure without it (benchmarks/decode_profile.py --without pdl).
-PDL = True
-_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _supports_pdl(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_options(device: torch.device) -> dict[str, bool]:
-    """A Triton kernel's ``PDL`` constexpr and launch option for ``device``: a programmatic
-    dependent launch on SM90+ (off in the interpreter and while :data:`PDL` is False). A
-    kernel launched so must call ``gdc_wait`` before it reads what the kernel before wrote
-    and before it writes anything."""
-    pdl = PDL and not _INTERPRETER and device.type == "cuda" and _supports_pdl(device)
-    return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
 
 
 @triton.jit
@@ -220,7 +200,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         M=m, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, **cfg, **pdl_options(x.device),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, **cfg, **launch_options(x.device),
     )  # fmt: skip
     return y
 
@@ -261,7 +241,7 @@ def rms_norm_gemv(
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
         y, new_residual, n, k, weight.stride(0), eps,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        EVEN_K=k % block_k == 0, **cfg, **pdl_options(x.device),
+        EVEN_K=k % block_k == 0, **cfg, **launch_options(x.device),
     )  # fmt: skip
     return y, new_residual
 

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.registry import register
+from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
 # NOTE: importing triton_routing also registers ("select_experts", "triton").
 from flotilla.kernels.triton_routing import route
@@ -130,7 +131,9 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependent(PDL)  # NOTE: first: the routing comes from the kernel before
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -204,7 +207,9 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependent(PDL)  # NOTE: first: the routing comes from the kernel before
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -246,7 +251,10 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_routes_kernel(routed_ptr, route_expert_ptr, out_ptr, top_k, H, stride_rm, stride_ot, BLOCK_H: tl.constexpr):
+def _sum_routes_kernel(
+    routed_ptr, route_expert_ptr, out_ptr, top_k, H, stride_rm, stride_ot, BLOCK_H: tl.constexpr, PDL: tl.constexpr
+):
+    start_dependent(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -371,6 +379,7 @@ def fused_moe_with_config(
         W_FP8=w_fp8,
         num_warps=cfg.warps_1,
         num_stages=cfg.stages_1,
+        **launch_options(hidden.device),
     )
 
     routed = torch.empty(num_routes, h, dtype=torch.float32, device=hidden.device)
@@ -401,10 +410,12 @@ def fused_moe_with_config(
         W_FP8=w_fp8,
         num_warps=cfg.warps_2,
         num_stages=cfg.stages_2,
+        **launch_options(hidden.device),
     )
 
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_routes_kernel[(num_tokens, triton.cdiv(h, block_h))](
-        routed, routing.route_expert, out, top_k, h, routed.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4
+        routed, routing.route_expert, out, top_k, h, routed.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4,
+        **launch_options(hidden.device),
     )
     return out

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.registry import register
+from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # NOTE: Triton's interpreter runs the kernel on CPU tensors (used to check it without a GPU).
@@ -118,7 +119,9 @@ def _qkv_prepare_kernel(
     CACHE_BLOCK_SIZE: tl.constexpr,
     IS_NEOX: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependent(PDL)  # NOTE: first: qkv comes from the kernel before
     token = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_D)
@@ -291,5 +294,6 @@ def qkv_prepare(
         # NOTE: no mul+add -> FMA contraction: it would skip the rounding of a product that the
         # reference rounds (LLVM otherwise fuses r(x*cos) - r(x'*sin) into one bf16 FMA).
         enable_fp_fusion=False,
+        **launch_options(qkv.device),
     )
     return q

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from flotilla.kernels import moe
 from flotilla.kernels.registry import register
+from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
 MAX_EXPERTS = 1024  # more experts than this route through the torch reference
 _ROUTE_CHUNK = 1024  # routes handled per step of the routing program's loops
@@ -77,7 +78,9 @@ def _select_experts_kernel(
     SIGMOID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependent(PDL)  # NOTE: first: the logits come from the kernel before
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < num_experts
@@ -148,6 +151,7 @@ def launch_select_experts(
         HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize,
         num_warps=max(1, min(4, e_pad // 256)),
+        **launch_options(device),
     )
     return weights, ids
 
@@ -217,7 +221,9 @@ def _route_kernel(
     CHUNK: tl.constexpr,
     E_PAD: tl.constexpr,
     B_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependent(PDL)  # NOTE: before the counters are zeroed: no write may precede the wait
     offs = tl.arange(0, CHUNK)
     e_offs = tl.arange(0, E_PAD)
     e_ok = e_offs < num_local
@@ -317,5 +323,6 @@ def route(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
         E_PAD=e_pad,
         B_CHUNK=max(16, 4096 // e_pad),
         num_warps=8,
+        **launch_options(device),
     )
     return Routing(sorted_route, block_expert, route_expert, block_m)
