@@ -18,9 +18,18 @@ linear        ``triton`` (a GEMV for one-row inputs,       ``torch`` (``F.linear
               ``F.linear`` otherwise) when attention is
               flashinfer and triton is installed, else
               ``torch``
+fp8           ``triton`` (weight-only FP8 GEMM) for        ``torch`` (dequantize,
+              block-FP8 checkpoints                        float32 GEMM)
 sampling      ``flashinfer`` unless sampling_backend is    ``torch``
               ``pytorch``
 ============  ==========================================  ===========================
+
+``fp8`` runs op ``fp8_block_linear`` of the block-FP8 linear layers of an FP8 checkpoint
+(``quantization_config.quant_method='fp8'``, 128x128 blocks); the checkpoint's FP8 routed
+experts run op ``fp8_grouped_moe`` of the ``moe`` backend. NOTE: not ``deep_gemm``, whose GEMMs
+fail on torch 2.11 (sgl-deep-gemm 0.2.1); the Triton kernels widen float8 weights in registers
+and keep activations unquantized. The ``linear`` backend's ops never touch an FP8 layer (see
+:func:`~flotilla.cluster.models.layers.use_linear_op`).
 
 NOTE: float32 runs the torch references everywhere: flashinfer has no float32 attention
 kernels, and float32 is the exactness path (GPU float32 greedy tokens are compared with the
@@ -89,6 +98,7 @@ _TORCH_FLAG = {
     "decode_attention_backend": "--attention-backend torch_native",
     "sampling_backend": "--sampling-backend pytorch",
     "moe_runner_backend": "--dtype float32 (the torch MoE reference)",
+    "quant_method": "--dtype float32 (the torch FP8 reference)",
 }
 # One op of each family: fetching it imports the backend's registry modules.
 _PROBE_OPS = {
@@ -96,6 +106,7 @@ _PROBE_OPS = {
     "elementwise": "rms_norm",
     "moe": "fused_moe",
     "linear": "linear",
+    "fp8": "fp8_block_linear",
     "sampling": "sample_tokens",
 }
 
@@ -111,6 +122,7 @@ class KernelBackends:
         linear: the dense projections' and MoE routers' GEMM (``triton``: batch-1 decode steps
             on a Triton GEMV, every other shape on ``F.linear``; the embedding and LM head stay
             on torch).
+        fp8: the block-FP8 projections' GEMM (op ``fp8_block_linear``) of an FP8 checkpoint.
         sampling: top-k/top-p/min-p sampling from probabilities.
         chosen_by: for each family, the resolved setting that chose it (``"attention_backend='fa3'"``),
             for messages and the start-up report; not part of equality.
@@ -120,16 +132,18 @@ class KernelBackends:
     elementwise: str = TORCH
     moe: str = TORCH
     linear: str = TORCH
+    fp8: str = TORCH
     sampling: str = TORCH
     chosen_by: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def as_dict(self) -> dict[str, str]:
-        """``{"attention": ..., "elementwise": ..., "moe": ..., "linear": ..., "sampling": ...}``."""
+        """``{"attention": ..., "elementwise": ..., "moe": ..., "linear": ..., "fp8": ..., "sampling": ...}``."""
         return {
             "attention": self.attention,
             "elementwise": self.elementwise,
             "moe": self.moe,
             "linear": self.linear,
+            "fp8": self.fp8,
             "sampling": self.sampling,
         }
 
@@ -150,6 +164,7 @@ def kernel_backends_for(
     dtype: torch.dtype | None = None,
     *,
     moe_model: bool = True,
+    fp8_model: bool = False,
     available: Callable[[str], bool] = library_installed,
 ) -> KernelBackends:
     """The kernel backends a runner uses for the resolved ``config`` (see the module docstring).
@@ -161,6 +176,7 @@ def kernel_backends_for(
         dtype: the model's activation dtype as loaded (``resolve_dtype``); when None it is read
             from ``config.dtype``, and ``auto`` counts as float32 (the torch references).
         moe_model: whether the model has MoE layers (a dense model needs no MoE backend).
+        fp8_model: whether the checkpoint is block-FP8 (other models need no ``fp8`` backend).
         available: whether a library (a module name: ``flashinfer``, ``triton``) is installed
             here; the real check by default.
 
@@ -193,12 +209,14 @@ def kernel_backends_for(
         moe=TRITON if moe_model else TORCH,
         # NOTE: an optimization no flag names: without triton the projections stay on F.linear.
         linear=TRITON if attention == FLASHINFER and available(_LIBRARIES[TRITON][0]) else TORCH,
+        fp8=TRITON if fp8_model else TORCH,
         sampling=sampling,
         chosen_by={
             "attention": attention_by,
             "elementwise": attention_by,
             "linear": attention_by,
             "moe": f"moe_runner_backend={moe_name!r}",
+            "fp8": "quant_method='fp8'",
             "sampling": f"sampling_backend={sampling_name!r}",
         },
     )

@@ -37,6 +37,7 @@ from flotilla.cluster.eplb import ExpertPlacement
 from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.moe_layer import expert_placements, rewire_moe_layers
 from flotilla.cluster.models.expert_load import ExpertLoadRecorder, attach_load_recorder
+from flotilla.cluster.models.fp8_config import BlockFp8Config
 from flotilla.cluster.models.layers import use_linear_op
 from flotilla.cluster.models.sources import ModelSource, load_model, resolve_dtype
 from flotilla.kernels import registry
@@ -126,8 +127,12 @@ class ModelRunner:
         self.parallel = parallel or ParallelLayout()
         self.device = torch.device(config.device or "cpu")
         dtype = resolve_dtype(config.dtype or "auto", source, self.device)
-        # NOTE: a backend this machine lacks fails here, before any weight is loaded.
-        self.backends = kernel_backends_for(config, dtype, moe_model=has_experts(source.config_dict))
+        # NOTE: a backend this machine lacks, or an FP8 quantization_config flotilla cannot
+        # load, fails here, before any weight is loaded.
+        fp8_model = BlockFp8Config.from_hf(source.config_dict) is not None
+        self.backends = kernel_backends_for(
+            config, dtype, moe_model=has_experts(source.config_dict), fp8_model=fp8_model
+        )
         load_kernel_backends(self.backends, registry)
         self.model = load_model(
             source,
@@ -140,6 +145,7 @@ class ModelRunner:
             load_format=config.load_format or "auto",
             num_redundant_experts=int(config.ep_num_redundant_experts or 0),
             expert_placements=expert_placements,
+            fp8_backend=self.backends.fp8,
         )
         if pack_weights and self.device.type == "cpu":
             pack_linear_layers(self.model)

@@ -63,7 +63,8 @@ def _packed(module: nn.Module) -> nn.Module | None:
         ok = module.parallel.tp_size == 1 and onednn_packing_available(module.weight)
         return PackedLMHead(module) if ok else None
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-        # NOTE: tensor-parallel layers keep their own forward (the row-parallel all-reduce).
+        # NOTE: tensor-parallel layers keep their own forward (the row-parallel all-reduce), and
+        # so do block-FP8 layers (onednn_packing_available refuses their float8 weight).
         ok = module.parallel.tp_size == 1 and onednn_packing_available(module.weight)
         return PackedLinear(module) if ok else None
     return None

@@ -15,10 +15,12 @@ drives it through four calls:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Mapping, Protocol
 
 import torch
 
+from flotilla.cluster.models.fp8_config import BlockFp8Config
 from flotilla.kernels.attention import AttentionMetadata
 
 
@@ -129,6 +131,9 @@ class ModelConfig:
         expert_placements: an explicit :class:`~flotilla.cluster.eplb.ExpertPlacement` per MoE
             layer, keyed by decoder layer index (a rank joining a grown elastic EP group is built
             with the group's grown placements); layers not listed get the trivial placement.
+        fp8_backend: name of the kernel backend of op ``fp8_block_linear``, which the block-FP8
+            linear layers of an FP8 checkpoint run on (``"torch"``, ``"triton"``); the FP8
+            routed experts run op ``fp8_grouped_moe`` of ``moe_backend``.
     """
 
     hf: Mapping[str, Any]
@@ -139,10 +144,16 @@ class ModelConfig:
     moe_backend: str = "torch"
     num_redundant_experts: int = 0
     expert_placements: Mapping[int, Any] = field(default_factory=dict)
+    fp8_backend: str = "torch"
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.hf.get(key, default)
         return default if value is None else value
+
+    @cached_property
+    def fp8(self) -> BlockFp8Config | None:
+        """The checkpoint's block-FP8 quantization (read from ``hf``), or None when it has none."""
+        return BlockFp8Config.from_hf(self.hf)
 
 
 @dataclass(frozen=True)

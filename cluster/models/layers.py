@@ -42,6 +42,11 @@ def use_linear_op(model: nn.Module, linear_op: LinearOp, **fused_ops: Callable |
     keep ``F.linear``."""
     changed = 0
     for module in model.modules():
+        # NOTE: a block-FP8 layer keeps its own forward (op fp8_block_linear over its float8
+        # weight and scales), and a module holding one (a decoder layer, a gated MLP) keeps its
+        # separate ops: every op handed out here reads ``.weight`` as a half-precision matrix.
+        if holds_block_fp8(module):
+            continue
         if hasattr(module, "linear_op"):
             module.linear_op = linear_op
             changed += 1
@@ -49,6 +54,12 @@ def use_linear_op(model: nn.Module, linear_op: LinearOp, **fused_ops: Callable |
             if op is not None and hasattr(module, name):
                 setattr(module, name, op)
     return changed
+
+
+def holds_block_fp8(module: nn.Module) -> bool:
+    """Whether ``module`` or a module inside it holds a float8 weight (the block-FP8 layers of
+    :mod:`flotilla.cluster.models.fp8_linear` and :mod:`flotilla.cluster.models.fp8_moe`)."""
+    return any(p.dtype == torch.float8_e4m3fn for p in module.parameters())
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -72,6 +83,9 @@ def _set_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's output rows split across tensor-parallel ranks."""
 
+    # The weight's storage dtype when it is not ``dtype`` (the FP8 variants: float8_e4m3fn).
+    weight_dtype: torch.dtype | None = None
+
     def __init__(
         self,
         in_features: int,
@@ -84,7 +98,9 @@ class ColumnParallelLinear(nn.Module):
         self.parallel = parallel
         self.out_per_rank = _divide(out_features, parallel.tp_size, "out_features")
         self.weight = _set_loader(
-            nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False),
+            nn.Parameter(
+                torch.empty(self.out_per_rank, in_features, dtype=self.weight_dtype or dtype), requires_grad=False
+            ),
             self._load_rows,
         )
         self.bias = (
@@ -204,6 +220,8 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's input columns split across ranks; partial outputs
     are summed across the group (a no-op on one rank)."""
 
+    weight_dtype: torch.dtype | None = None  # as ColumnParallelLinear.weight_dtype
+
     def __init__(
         self,
         in_features: int,
@@ -219,7 +237,9 @@ class RowParallelLinear(nn.Module):
         group = parallel.group
         self.all_reduce = all_reduce if all_reduce is not None or group is None else group.all_reduce
         self.weight = _set_loader(
-            nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False),
+            nn.Parameter(
+                torch.empty(out_features, self.in_per_rank, dtype=self.weight_dtype or dtype), requires_grad=False
+            ),
             self._load_cols,
         )
         self.bias = (

@@ -21,11 +21,10 @@ import torch
 from torch import nn
 
 from flotilla.cluster.models.base import KVCacheSpec, ModelConfig, ParallelLayout
+from flotilla.cluster.models.fp8_linear import ParallelLinears
 from flotilla.cluster.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
     kv_head_span,
@@ -102,11 +101,13 @@ class DecoderSettings:
 class DenseDecoderForCausalLM(nn.Module):
     """The shared decoder; subclasses name an HF architecture and its defaults.
 
-    Implements the :class:`flotilla.cluster.models.base.Model` interface.
+    Implements the :class:`flotilla.cluster.models.base.Model` interface. Loads block-FP8
+    checkpoints (the projections of :mod:`~flotilla.cluster.models.fp8_linear`).
     """
 
     architecture = "LlamaForCausalLM"
     qk_norm = False
+    loads_block_fp8 = True
 
     # --- per-architecture config reading (overridden by subclasses) ---------------
 
@@ -170,6 +171,7 @@ class DenseDecoderForCausalLM(nn.Module):
             registry.get("paged_attention", config.attention_backend),
             config.elementwise_backend,
             fused_qkv_prepare(config),
+            ParallelLinears.of(config),
         )
         self.lm_head = ParallelLMHead(s.vocab_size, s.hidden_size, config.parallel, config.dtype)
         if s.tie_word_embeddings:
@@ -390,16 +392,18 @@ class DecoderAttention(nn.Module):
         attention_op,
         backend: str,
         qkv_prepare_op=None,
+        linears: ParallelLinears = ParallelLinears(),
     ):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(
-            s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias, parallel, dtype
+        prefix = f"model.layers.{layer}.self_attn"
+        self.qkv_proj = linears.qkv(
+            prefix, s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.qkv_bias, parallel, dtype
         )
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, s.head_dim
         self.rotary_dim = s.rotary_dim
         self.scale = s.head_dim**-0.5
         self.sliding_window = s.sliding_windows[layer]
-        self.o_proj = RowParallelLinear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias, parallel, dtype)
+        self.o_proj = linears.row(f"{prefix}.o_proj", s.num_heads * s.head_dim, s.hidden_size, s.o_bias, parallel, dtype)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype, backend) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, dtype, backend) if s.qk_norm else None
         self._attention = attention_op
@@ -450,14 +454,25 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up stacked."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up stacked; ``prefix`` is the checkpoint
+    module (``model.layers.0.mlp``) whose projections ``linears`` may build in FP8."""
 
     def __init__(
-        self, hidden: int, intermediate: int, bias: bool, parallel: ParallelLayout, dtype: torch.dtype, backend: str
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        parallel: ParallelLayout,
+        dtype: torch.dtype,
+        backend: str,
+        linears: ParallelLinears = ParallelLinears(),
+        prefix: str | None = None,
     ):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, parallel, dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype)
+        parts = ("gate_proj", "up_proj")
+        self.gate_up_proj = linears.merged(prefix, parts, hidden, [intermediate, intermediate], bias, parallel, dtype)
+        down = None if prefix is None else f"{prefix}.down_proj"
+        self.down_proj = linears.row(down, intermediate, hidden, bias, parallel, dtype)
         self._act = registry.get("silu_and_mul", backend)
         # The fused activation + down projection (use_linear_op sets it; None: separate ops).
         self.silu_and_mul_linear = None
@@ -484,10 +499,12 @@ class DecoderLayer(nn.Module):
         attention_op,
         backend: str,
         qkv_prepare_op=None,
+        linears: ParallelLinears = ParallelLinears(),
     ):
         super().__init__()
-        self.self_attn = DecoderAttention(s, layer, parallel, dtype, attention_op, backend, qkv_prepare_op)
-        self.mlp = GatedMLP(s.hidden_size, s.intermediate_size, s.mlp_bias, parallel, dtype, backend)
+        self.self_attn = DecoderAttention(s, layer, parallel, dtype, attention_op, backend, qkv_prepare_op, linears)
+        mlp = (s.hidden_size, s.intermediate_size, s.mlp_bias, parallel, dtype, backend)
+        self.mlp = GatedMLP(*mlp, linears, prefix=f"model.layers.{layer}.mlp")
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
         # A norm fused into the projection after it (use_linear_op sets it; None: separate ops).
@@ -526,7 +543,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm (HF's ``model.*`` prefix);
     ``elementwise_backend`` names the kernels of the norms, RoPE and activations;
-    ``qkv_prepare_op`` (None: separate ops) fuses each layer's q/k norm, RoPE and KV write."""
+    ``qkv_prepare_op`` (None: separate ops) fuses each layer's q/k norm, RoPE and KV write;
+    ``linears`` builds the projections (block FP8 where the checkpoint quantizes them)."""
 
     def __init__(
         self,
@@ -536,12 +554,14 @@ class DecoderModel(nn.Module):
         attention_op,
         elementwise_backend: str = "torch",
         qkv_prepare_op=None,
+        linears: ParallelLinears = ParallelLinears(),
     ):
         super().__init__()
         backend = elementwise_backend
         self.embed_tokens = VocabParallelEmbedding(s.vocab_size, s.hidden_size, parallel, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(s, i, parallel, dtype, attention_op, backend, qkv_prepare_op) for i in range(s.num_layers)
+            DecoderLayer(s, i, parallel, dtype, attention_op, backend, qkv_prepare_op, linears)
+            for i in range(s.num_layers)
         )
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype, backend)
         # NOTE: float32 and shared by every layer; the rotary op casts cos/sin to the

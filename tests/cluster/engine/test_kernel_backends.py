@@ -64,6 +64,7 @@ def test_cuda_kernel_names_run_on_flashinfer_in_half_precision(name, dtype):
         "elementwise": "flashinfer",
         "moe": "triton",
         "linear": "triton",
+        "fp8": "torch",
         "sampling": "flashinfer",
     }
     assert chosen.chosen_by["attention"] == f"attention_backend={name!r}"
@@ -134,6 +135,16 @@ def test_a_missing_triton_fails_only_moe_models():
     dense = kernel_backends_for(config(), torch.bfloat16, moe_model=False, available=no_triton)
     # NOTE: the Triton decode GEMV is an optimization no flag asks for: without triton it is F.linear.
     assert (dense.moe, dense.linear, dense.attention) == ("torch", "torch", "flashinfer")
+
+
+def test_fp8_checkpoints_run_their_fp8_layers_on_triton_in_half_precision():
+    chosen = kernel_backends_for(config(), torch.bfloat16, fp8_model=True, available=everything)
+    assert (chosen.fp8, chosen.moe) == ("triton", "triton")
+    assert kernel_backends_for(config(), torch.float32, fp8_model=True, available=everything).fp8 == "torch"
+    assert kernel_backends_for(config(device="cpu"), torch.bfloat16, fp8_model=True, available=everything).fp8 == "torch"
+    no_triton = lambda module: module != "triton"  # noqa: E731
+    with pytest.raises(ValueError, match=r"quant_method='fp8' needs triton.*--dtype float32 \(the torch FP8 reference\)"):
+        kernel_backends_for(config(), torch.bfloat16, moe_model=False, fp8_model=True, available=no_triton)
 
 
 def _smollm2_config(platform: str, **flags):
