@@ -24,6 +24,10 @@ Weight bytes read per decode step (:class:`WeightBytes`, from the checkpoint's t
 step (the convention of gpt-fast and of the HF peer figures in the H200 notes); the
 plain ``mbu`` counts only the rows gathered.
 
+A block-FP8 checkpoint (``quantization_config.quant_method: fp8``) stores each projection it
+quantizes in one byte an element plus a float32 scale per 128x128 block; those tensors count
+at that size, everything else at the engine's element size.
+
 KV bytes read per decode step: the sum over the step's sequences of their context
 length times the cache bytes per token (``KVCacheLayout.bytes_per_token``).
 
@@ -64,12 +68,32 @@ def _layer_of(name: str) -> str:
     return name.split(".experts.", 1)[0]
 
 
+def _stored_bytes(name: str, shape: tuple[int, ...], element_size: int, fp8: Any) -> int:
+    """Bytes the running model holds for checkpoint tensor ``name``: ``element_size`` an
+    element, or, where the block-FP8 checkpoint ``fp8`` quantizes it, one byte an element plus
+    a float32 scale per 128x128 block (transformers' stacked experts: per expert)."""
+    from flotilla.cluster.models.dummy_weights import STACKED_EXPERTS
+    from flotilla.cluster.models.fp8_config import FP8_BLOCK
+
+    count = math.prod(shape)
+    if fp8 is None:
+        return count * element_size
+    stacked = STACKED_EXPERTS.match(name)
+    quantized = fp8.quantizes(f"{stacked.group(1)}.0.gate_proj") if stacked else fp8.quantizes_tensor(name, shape)
+    if not quantized:
+        return count * element_size
+    rows, cols = shape[-2], shape[-1]
+    blocks = (count // (rows * cols)) * math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK)
+    return count + 4 * blocks
+
+
 @dataclass(frozen=True)
 class WeightBytes:
     """Bytes of a model's weights, split by how a decode step reads them.
 
     Attributes:
-        element_size: bytes per weight element (the dtype the engine runs).
+        element_size: bytes per weight element (the dtype the engine runs; a block-FP8
+            checkpoint's quantized projections count one byte an element plus their scales).
         total: every parameter, once.
         dense: what every decode step reads whole (all but routed experts and an untied
             input embedding table).
@@ -96,32 +120,34 @@ class WeightBytes:
         """From an HF config.json dict (tensor shapes from transformers' model class on the
         meta device, see :func:`~flotilla.cluster.models.dummy_weights.hf_tensor_shapes`)."""
         from flotilla.cluster.models.dummy_weights import hf_tensor_shapes
+        from flotilla.cluster.models.fp8_config import BlockFp8Config
 
         shapes = hf_tensor_shapes(config_dict)
+        fp8 = BlockFp8Config.from_hf(config_dict)
         tied = bool(config_dict.get("tie_word_embeddings", False))
-        dense = embedding = embedding_row = experts = 0
+        dense = embedding = embedding_row = experts = 0  # bytes
         moe_layers = set()
         for name, shape in shapes.items():
-            count = math.prod(shape)
+            stored = _stored_bytes(name, shape, element_size, fp8)
             if _is_routed_expert(name):
-                experts += count
+                experts += stored
                 moe_layers.add(_layer_of(name))
             elif name.endswith("embed_tokens.weight") and not tied:
-                embedding += count
-                embedding_row = shape[-1]
+                embedding += stored
+                embedding_row = shape[-1] * element_size
             else:
-                dense += count
+                dense += stored
         num_experts = next((int(config_dict[k]) for k in _EXPERT_COUNT_KEYS if config_dict.get(k)), 0)
         if experts and not num_experts:
             raise ValueError(f"config.json has routed expert tensors but none of {_EXPERT_COUNT_KEYS}")
         per_expert = experts // (len(moe_layers) * num_experts) if experts else 0
         return cls(
             element_size=element_size,
-            total=(dense + embedding + experts) * element_size,
-            dense=dense * element_size,
-            embedding=embedding * element_size,
-            embedding_row=embedding_row * element_size,
-            expert=per_expert * element_size,
+            total=dense + embedding + experts,
+            dense=dense,
+            embedding=embedding,
+            embedding_row=embedding_row,
+            expert=per_expert,
             moe_layers=len(moe_layers),
             num_experts=num_experts if experts else 0,
             top_k=int(config_dict.get("num_experts_per_tok") or 0) if experts else 0,

@@ -36,7 +36,7 @@ from flotilla.kernels.fp8 import quantize_block_fp8
 # transformers' own default initializer range, used when config.json has none.
 DEFAULT_INITIALIZER_RANGE = 0.02
 # transformers 5 keeps a layer's experts stacked in memory: experts.gate_up_proj[E, 2I, H], experts.down_proj[E, H, I].
-_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def hf_tensor_shapes(config_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -77,7 +77,7 @@ def iter_dummy_weights(
 def _as_block_fp8(name: str, tensor: torch.Tensor, fp8: BlockFp8Config) -> Iterator[tuple[str, torch.Tensor]]:
     """``name``'s tensor as a block-FP8 checkpoint holds it: ``weight`` + ``weight_scale_inv``
     for a quantized projection, one expert matrix per name for stacked experts, else as is."""
-    stacked = _STACKED_EXPERTS.match(name)
+    stacked = STACKED_EXPERTS.match(name)
     if stacked:
         prefix, kind = stacked.groups()
         parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)

@@ -210,6 +210,27 @@ def test_moe_shapes_carry_their_routing_fields():
     assert weights.expert == 2 * 3 * 2048 * 1408
 
 
+def test_block_fp8_weights_count_one_byte_an_element_plus_their_scales():
+    """A block-FP8 checkpoint's quantized projections (not the embedding, LM head, norms or
+    routers) read one byte an element plus a float32 scale per 128x128 block."""
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    for name in ("llama-3.1-8b", "qwen3-30b-a3b"):
+        config = shape_config(name)
+        plain = WeightBytes.from_config(config, element_size=2)
+        quantized = WeightBytes.from_config({**config, "quantization_config": fp8}, element_size=2)
+        shapes = hf_tensor_shapes(config)
+        projections = {n: s for n, s in shapes.items() if ("_proj" in n or ".experts." in n) and n.endswith(("weight", "proj"))}
+        elements = sum(math.prod(s) for s in projections.values())
+        scales = sum(
+            math.prod(s[:-2]) * math.ceil(s[-2] / 128) * math.ceil(s[-1] / 128) for s in projections.values()
+        )
+        assert plain.total - quantized.total == elements - 4 * scales, name
+        assert quantized.embedding == plain.embedding and quantized.embedding_row == plain.embedding_row
+    qwen = WeightBytes.from_config({**shape_config("qwen3-30b-a3b"), "quantization_config": fp8}, element_size=2)
+    # one expert: gate and up [768, 2048] and down [2048, 768], 96 scale blocks each
+    assert qwen.expert == 3 * 768 * 2048 + 4 * 3 * 96
+
+
 def test_expected_distinct_experts():
     assert expected_distinct_experts(128, 8, 1) == pytest.approx(8)
     assert expected_distinct_experts(64, 6, 2) == pytest.approx(64 * (1 - (58 / 64) ** 2))
