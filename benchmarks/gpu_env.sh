@@ -7,12 +7,21 @@
 #   ... run tests / benchmarks ...
 #   save_flashinfer_cache OUT_DIR        # OUT_DIR/ficache.tgz.part-aa, -ab, ... (15 MiB each)
 #
-# WHEEL_DIR holds flashinfer-python, apache-tvm-ffi (and anything else the box lacks) as wheels;
+# WHEEL_DIR holds flashinfer-python, apache-tvm-ffi (and anything else the box lacks) as wheels
+# or as site*.tar.xz archives of installed package trees (see below);
 # CACHE_DIR (default: WHEEL_DIR) may hold ficache.tgz.part-* from an earlier save.
 wheel_dir="${1:?usage: source benchmarks/gpu_env.sh WHEEL_DIR [CACHE_DIR]}"
 cache_dir="${2:-$wheel_dir}"
 site=/tmp/flotilla-site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheel_dir"/*.whl || return 1
+mkdir -p "$site"
+# A site archive (site*.tar.xz: installed package trees, e.g. a slimmed ray with flashinfer) is
+# unpacked as is: xz packs ray's binaries a third smaller than its wheel, so more fits a carry.
+for archive in "$wheel_dir"/site*.tar.xz; do
+    [ -f "$archive" ] && { tar xJf "$archive" -C "$site" || return 1; }
+done
+if ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$wheel_dir"/*.whl || return 1
+fi
 mkdir -p /tmp/flotilla-pkg && ln -sfn "$PWD" /tmp/flotilla-pkg/flotilla
 export PYTHONPATH="$site:/tmp/flotilla-pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Compile flashinfer's kernels for Hopper only (its JIT builds every listed arch otherwise).

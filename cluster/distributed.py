@@ -57,6 +57,12 @@ class Communicator:
         # gloo collectives run on the CPU: wait for them with the bound. NCCL: see _wait.
         self._cpu_wait = group is None or dist.get_backend(group) != "nccl"
 
+    @property
+    def on_device(self) -> bool:
+        """Whether the collectives run on the GPU's streams (NCCL): only those can be captured
+        in a CUDA graph. False for gloo (CPU-side) and for a group of one rank."""
+        return self.size > 1 and not self._cpu_wait
+
     @classmethod
     def single(cls) -> "Communicator":
         """The trivial group of one rank: every collective returns its input."""

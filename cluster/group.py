@@ -192,6 +192,13 @@ class WorkerGroup:
         results = self._gather([a.execute.remote(step_ref) for a in self.actors], "execute a step")
         return [results[rank] for rank in self.topology.attn_dp_leaders]
 
+    def execute_sampled(self, schedule: Any, rows: Sequence[Any]) -> list[Any]:
+        """Run one scheduled step on every rank, each DP rank's leader sampling its part's
+        rows (``rows``: one :class:`SamplingRow` per sampling request, DP-major; none may
+        carry a seeded generator, whose state would not come back); returns each DP rank's
+        list of sampled tokens, in DP order."""
+        return self.execute_leaders(StepBatch(schedule, tuple(rows)))
+
     def execute_logits(self, schedule: Any) -> list[Any]:
         """Run one scheduled step on every rank; returns each DP rank's float32 logits
         ``[N_d, V]`` of its part's sampling requests, in DP order (one entry without DP

@@ -284,8 +284,30 @@ class Worker:
         return self._is_dp_leader
 
     def step_stats(self) -> dict[str, int]:
-        """Steps this rank ran, and how many of them were empty (an idle DP rank's)."""
-        return {"steps": self.num_steps, "empty_steps": self.num_empty_steps}
+        """Steps this rank ran, how many of them were empty (an idle DP rank's), and how many
+        replayed a decode CUDA graph."""
+        graphs = self.runner.graphs if self.runner is not None else None
+        return {
+            "steps": self.num_steps,
+            "empty_steps": self.num_empty_steps,
+            "graph_replays": graphs.num_replays if graphs is not None else 0,
+        }
+
+    def startup_report(self) -> dict[str, Any]:
+        """This rank's runner start-up report (:meth:`ModelRunner.startup_report`: what
+        loading, the KV cache and the decode graph capture cost, and why graphs are off)."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: startup_report() before load()")
+        return self.runner.startup_report()
+
+    def time_decode_graph(self, num_seqs: int, iters: int) -> float:
+        """Milliseconds of one replay of the decode graph a batch of ``num_seqs`` replays at
+        (``DecodeGraphs.time_replay``). Every rank of the group must be called together: the
+        graph's collectives need all of them. ValueError when this rank captured none."""
+        graphs = self.runner.graphs if self.runner is not None else None
+        if graphs is None:
+            raise ValueError(f"rank {self.rank} captured no decode CUDA graphs ({self.runner and self.runner.graphs_off_reason})")
+        return graphs.time_replay(num_seqs, iters)
 
     def expert_load(self) -> dict | None:
         """This rank's routed-pair counts per logical expert (``ModelRunner.expert_load``): the
@@ -295,19 +317,16 @@ class Worker:
         return self.runner.expert_load()
 
     def _step_logits(self, schedule: SchedulerOutput) -> torch.Tensor:
-        """Forward one step; the float32 logits ``[N, V]`` of its N sampling requests (on CPU)."""
-        runner = self.runner
+        """Forward one step; the float32 logits ``[N, V]`` of its N sampling requests (on CPU).
+
+        A pure decode step replays this rank's decode CUDA graph when it has one (every rank
+        of the group decides alike from the same step); an empty part (an idle DP rank) still
+        runs the forward, so the rank joins the step's collectives.
+
+        NOTE: compute_logits all-gathers the vocab shards over attention TP: every rank of
+        this DP rank runs the same part, so all of them reach that collective."""
         with torch.inference_mode():
-            input_ids, positions, meta, sample_index = runner.prepare_inputs(schedule)
-            # NOTE: runs for an empty part too (zero tokens): the rank still joins the step's
-            # collectives (attention TP; MoE layers across DP ranks).
-            hidden = runner.forward(input_ids, positions, meta)
-            if sample_index.numel() == 0:
-                return torch.empty(0, runner.vocab_size, dtype=torch.float32)
-            # NOTE: compute_logits all-gathers the vocab shards over attention TP: every rank
-            # of this DP rank runs the same part, so all of them reach this call.
-            logits = runner.model.compute_logits(hidden.index_select(0, sample_index))
-        return logits.float().cpu()
+            return self.runner.step_logits(schedule).float().cpu()
 
     # -- KV transfer (prefill/decode disaggregation): this rank's endpoint ---------------
     # NOTE: per-rank calls, no collectives: a rank's failure leaves its peers in step.

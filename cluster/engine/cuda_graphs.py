@@ -29,12 +29,19 @@ naming the scratch block.
 
 When graphs are off (:func:`decode_graph_sizes` says why, and the runner reports it): not on
 CUDA; decode graphs disabled by the config; the torch attention reference (its tensor shapes
-follow the batch's lengths, read on the host); any multi-rank group (gloo collectives are
-CPU-side and never capturable; NCCL collectives are capturable in principle, but capture over
-NCCL is not verified here, DP attention and all-to-all MoE read counts on the host, and an
-elastic EP rewire swaps the communicators a graph would have baked in); an elastic EP group
-(same reason, even at one rank); the expert-load recorder (it counts passes on the host);
-an MoE model on the torch MoE reference (it loops over experts chosen on the host).
+follow the batch's lengths, read on the host); a multi-rank group whose collectives a graph
+cannot hold (:func:`uncapturable_collectives`: gloo runs on the CPU; DP attention and
+all-to-all MoE dispatch read token counts on the host; decode context parallelism runs the
+torch attention reference); an elastic EP group (a rewire swaps the communicators a graph
+would have baked in, even at one rank); the expert-load recorder (it counts passes on the
+host); an MoE model on the torch MoE reference (it loops over experts chosen on the host).
+
+A tensor-parallel group over NCCL (attention TP, and MoE layers whose experts are split over
+EP / MoE TP and all-reduced, ``--moe-a2a-backend none``) captures its collectives: NCCL
+all-reduce and all-gather of fixed shapes are graph nodes (PyTorch leaves captured work out
+of its watchdog). Every rank captures the same sizes in the same order at start (the group's
+ranks build their runners together), and every rank replays or runs eagerly alike, since the
+decision depends only on the step, which every rank receives whole.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ def decode_graph_sizes(
     *,
     device: torch.device,
     attention_backend: str,
-    multi_rank: bool,
+    collectives: str | None,
     elastic: bool,
     recording: bool,
     moe_on_torch: bool,
@@ -84,7 +91,8 @@ def decode_graph_sizes(
         config: the resolved configuration (see :func:`configured_decode_sizes`).
         device: the runner's device.
         attention_backend: the attention kernel backend (``torch`` has no graph support).
-        multi_rank: the rank is in a group of more than one rank (any collective in the forward).
+        collectives: why the forward's collectives cannot be captured (see
+            :func:`uncapturable_collectives`); None when it runs none, or only capturable ones.
         elastic: the group may grow by elastic EP (its communicators are rewired later).
         recording: the expert-load recorder is on.
         moe_on_torch: the model has MoE layers running on the torch MoE reference.
@@ -96,7 +104,7 @@ def decode_graph_sizes(
         (device.type != "cuda", f"device={device.type!r} is not CUDA"),
         (disabled, "decode CUDA graphs are disabled by the configuration"),
         (attention_backend == "torch", "the torch attention reference is not capturable"),
-        (multi_rank, "the forward runs collectives across ranks, which are not captured"),
+        (collectives is not None, f"the forward's collectives cannot be captured: {collectives}"),
         (elastic, "an elastic EP group rewires its communicators while serving"),
         (recording, "the expert-load recorder counts forward passes on the host"),
         (moe_on_torch, "the torch MoE reference picks experts on the host"),
@@ -110,6 +118,26 @@ def decode_graph_sizes(
     if max(sizes) > cap and cap not in chosen:
         chosen.append(cap)
     return tuple(chosen), None
+
+
+def uncapturable_collectives(parallel: Any) -> str | None:
+    """Why the collectives of a rank with layout ``parallel`` (a
+    :class:`~flotilla.cluster.models.base.ParallelLayout`) cannot be captured in a CUDA graph,
+    or None when it runs no collective or only capturable ones (NCCL all-reduce / all-gather
+    of shapes fixed by the batch size: attention TP, and MoE partial sums all-reduced)."""
+    comms = [c for c in getattr(parallel, "comms", {}).values() if getattr(c, "size", 1) > 1]
+    sizes = (parallel.tp_size, parallel.ep_size, parallel.moe_tp_size, parallel.dp_size, parallel.dcp_size)
+    if not comms and max(sizes) == 1:
+        return None
+    if not comms or not all(getattr(c, "on_device", False) for c in comms):
+        return "the group's collectives run on the CPU (gloo), outside any CUDA stream"
+    if parallel.dp_size > 1:
+        return f"DP attention (dp_size={parallel.dp_size}) gathers each step's token counts on the host"
+    if parallel.dcp_size > 1:
+        return f"decode context parallelism (dcp_size={parallel.dcp_size}) runs the torch attention reference"
+    if parallel.ep_size * parallel.moe_tp_size > 1 and parallel.moe_a2a_backend != "none":
+        return f"moe_a2a_backend={parallel.moe_a2a_backend!r} dispatches tokens by counts read on the host"
+    return None
 
 
 class DecodeGraphs:

@@ -31,6 +31,7 @@ rank in an actor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Sequence
 
@@ -51,6 +52,14 @@ from flotilla.cluster.models.sources import ModelSource
 from flotilla.resolution import ResolvedConfig
 
 
+def _shipped(row: SamplingRow) -> SamplingRow:
+    """``row`` as it travels to the ranks: the prompt-and-output ids only when a penalty
+    reads them (they grow with every token and would be pickled every step)."""
+    if row.token_ids and not row.params.has_penalties:
+        return dataclasses.replace(row, token_ids=(), num_prompt_tokens=0)
+    return row
+
+
 # Bound on a step (and on startup) when --watchdog-timeout is not set: SGLang's default.
 DEFAULT_STEP_TIMEOUT_S = 300.0
 # Bound on closing the ranks' KV endpoints at shutdown (they are killed right after).
@@ -67,6 +76,30 @@ def ensure_ray(num_ranks: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # NOTE: address="local": a new cluster even when `ray start` runs one on this machine.
     ray.init(address="local", include_dashboard=False, num_cpus=max(4, num_ranks), log_to_driver=False, configure_logging=False)
+
+
+class RankGraphs:
+    """The decode CUDA graphs the ranks of a group captured (every rank the same sizes), as
+    far as the driver needs them: which size a batch replays at, and timing a replay.
+
+    Args:
+        group: the worker group.
+        batch_sizes: the captured sizes (rank 0's start-up report)."""
+
+    def __init__(self, group: Any, batch_sizes: Sequence[int]):
+        self.group = group
+        self.batch_sizes = tuple(sorted(int(b) for b in batch_sizes))
+        self.max_bs = self.batch_sizes[-1]
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a batch of ``num_seqs`` replays at (None: it runs eagerly)."""
+        return next((bs for bs in self.batch_sizes if bs >= num_seqs), None) if num_seqs >= 1 else None
+
+    def time_replay(self, num_seqs: int, iters: int = 50) -> float:
+        """Milliseconds one replay takes on the slowest rank: every rank replays its graph
+        ``iters`` times together (their collectives pair up); see
+        ``DecodeGraphs.time_replay``. Call between steps."""
+        return max(self.group.call("time_decode_graph", int(num_seqs), int(iters)))
 
 
 class GroupRunner:
@@ -118,6 +151,18 @@ class GroupRunner:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
         self.sampler = Sampler(generator)
         self._kv_attached = False
+        self._startup = self.group.call("startup_report")
+        sizes = self._startup[0]["graph_batch_sizes"]
+        # The ranks' decode CUDA graphs, seen from here (for timing them between steps).
+        self.graphs = RankGraphs(self.group, sizes) if sizes else None
+        self.graphs_off_reason = self._startup[0]["graphs_off_reason"]
+
+    def startup_report(self) -> dict[str, Any]:
+        """Rank 0's start-up report (see ``ModelRunner.startup_report``), with
+        ``graph_capture_s`` the slowest rank's (the ranks capture together)."""
+        report = dict(self._startup[0])
+        report["graph_capture_s"] = max(r["graph_capture_s"] for r in self._startup)
+        return report
 
     def generator_for(self, seed: int) -> torch.Generator:
         """A fresh generator on the driver, for a request with ``seed``."""
@@ -125,12 +170,20 @@ class GroupRunner:
 
     def execute(self, step: SchedulerOutput | DPSchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Run one step on every rank; returns one token per sampling request (schedule
-        order, DP-major under DP attention), sampled on the driver with ``rows`` (one per
-        such request, same order)."""
+        order, DP-major under DP attention), sampled with ``rows`` (one per such request,
+        same order).
+
+        Without a seeded row, each DP rank's leader samples its rows next to its logits (on
+        its GPU) and only the tokens come back; a step with a seeded row brings the float32
+        logits back and samples them here, where the seeded generators keep their state."""
+        if not any(row.generator is not None for row in rows):
+            parts = self.group.execute_sampled(step, [_shipped(row) for row in rows])
+            tokens = [token for part in parts for token in part]
+            if len(tokens) != len(rows):
+                raise ValueError(f"{len(rows)} sampling rows for {len(tokens)} sampled tokens")
+            return tokens
         parts = self.group.execute_logits(step)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if not rows:
-            return []
         if len(rows) != logits.shape[0]:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
         return self.sampler(logits, rows)

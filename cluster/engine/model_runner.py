@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes
+from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes, uncapturable_collectives
 from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.cluster.engine.input_staging import InputStaging
 from flotilla.cluster.engine.kernel_backends import has_experts, kernel_backends_for, load_kernel_backends
@@ -176,7 +176,7 @@ class ModelRunner:
             config,
             device=self.device,
             attention_backend=self.backends.attention,
-            multi_rank=multi_rank,
+            collectives=uncapturable_collectives(self.parallel),
             elastic=can_grow_elastic_ep(config),
             recording=self.load_recorder is not None,
             moe_on_torch=self.backends.moe == "torch" and bool(self.expert_placements()),

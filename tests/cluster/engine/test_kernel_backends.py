@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes
+from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes, uncapturable_collectives
 from flotilla.cluster.engine.kernel_backends import (
     KernelBackends,
     has_experts,
@@ -26,6 +26,7 @@ from flotilla.cluster.engine.kernel_backends import (
 from flotilla.cluster.engine.model_runner import ModelRunner
 from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
+from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.kernels import registry
 from flotilla.kernels.attention import page_layout, step_layout
@@ -210,7 +211,7 @@ def graph_sizes(resolved, **overrides):
     options = dict(
         device=CUDA,
         attention_backend="flashinfer",
-        multi_rank=False,
+        collectives=None,
         elastic=False,
         recording=False,
         moe_on_torch=False,
@@ -233,7 +234,7 @@ def test_graph_sizes_follow_resolution_capped_at_the_running_requests():
     [
         (dict(device=torch.device("cpu")), "not CUDA"),
         (dict(attention_backend="torch"), "torch attention reference"),
-        (dict(multi_rank=True), "collectives across ranks"),
+        (dict(collectives="gloo"), "collectives cannot be captured: gloo"),
         (dict(elastic=True), "elastic EP"),
         (dict(recording=True), "expert-load recorder"),
         (dict(moe_on_torch=True), "torch MoE reference"),
@@ -247,6 +248,36 @@ def test_graphs_are_off_with_a_reason(overrides, reason):
 def test_disable_cuda_graph_turns_decode_graphs_off():
     sizes, why = graph_sizes(_smollm2_config("h200", disable_cuda_graph=True))
     assert sizes == () and "disabled by the configuration" in why
+
+
+class _Comm:
+    """A stand-in with a Communicator's two attributes the capture check reads."""
+
+    def __init__(self, size: int, on_device: bool):
+        self.size, self.on_device = size, on_device
+
+
+def _layout(on_device: bool = True, **sizes) -> ParallelLayout:
+    world = max(sizes.get(k, 1) for k in ("tp_size", "ep_size", "dp_size", "dcp_size", "moe_tp_size"))
+    return ParallelLayout(**sizes, comms={"tp": _Comm(world, on_device), "attn_tp": _Comm(world, on_device)})
+
+
+@pytest.mark.parametrize(
+    "layout, reason",
+    [
+        (ParallelLayout(), None),
+        (_layout(tp_size=2), None),
+        (_layout(tp_size=2, ep_size=2, moe_a2a_backend="none"), None),
+        (_layout(tp_size=2, moe_tp_size=2), None),
+        (_layout(False, tp_size=2), "gloo"),
+        (_layout(tp_size=1, dp_size=2, ep_size=2), "DP attention (dp_size=2)"),
+        (_layout(tp_size=2, dcp_size=2), "dcp_size=2"),
+        (_layout(tp_size=2, ep_size=2, moe_a2a_backend="deepep"), "moe_a2a_backend='deepep'"),
+    ],
+)
+def test_which_collectives_a_decode_graph_can_hold(layout, reason):
+    why = uncapturable_collectives(layout)
+    assert why == reason if reason is None else reason in why
 
 
 # -- the step input layout ------------------------------------------------------------

@@ -108,6 +108,8 @@ def _rank_main(model_dir: str, rank: int, world_size: int, port: int, out_path: 
 
     torch.set_num_threads(1)
     group = distributed.init_gloo(rank, world_size, port, _COLLECTIVE_TIMEOUT_S)
+    # gloo collectives run on the CPU: a decode CUDA graph could never hold them.
+    assert not group.on_device
     try:
         model, vocab = _load_model(model_dir, world_size, rank, group)
         logits, tokens = _paged_scenario(model, vocab)
