@@ -24,6 +24,7 @@ the running ranks back on their old world; only if that fails too is the group b
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -35,12 +36,17 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from flotilla.cluster.compiled_steps import CompiledSteps, compiled_steps_off_reason
 from flotilla.cluster.elastic import ElasticJoinError
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.cluster.topology import Topology
 from flotilla.cluster.worker import DEFAULT_COLLECTIVE_TIMEOUT_S, StepBatch, WorkerActor, WorkerInfo
 from flotilla.resolution import ResolvedConfig
 
+logger = logging.getLogger(__name__)
+
+# Bound on a liveness ping while diagnosing a failed step.
+PING_TIMEOUT_S = 10.0
 # Ray actor names of joining ranks: this prefix, the rank, a tag unique to the join.
 JOINER_NAME_PREFIX = "flotilla-ep-joiner-"
 # CPU share of one rank's bundle on CPU nodes (small, so a 2-core box holds several ranks).
@@ -103,6 +109,9 @@ class WorkerGroup:
             ``rpc_timeout_s`` (keep it below to see a peer's death as the collective's error).
         bundle_resources: Ray resources each rank's bundle needs besides its CPU share or GPU
             (custom resources that pin the group to a node group).
+        compiled_steps: send steps through a Ray compiled graph
+            (:mod:`~flotilla.cluster.compiled_steps`); None: on for GPU groups, off for CPU
+            groups, unless ``FLOTILLA_COMPILED_STEPS`` says otherwise.
 
     The group packs onto ONE node (STRICT_PACK: tensor parallelism wants the node's links);
     rank 0 hosts the rendezvous at its node's address, so the group need not share the
@@ -117,8 +126,10 @@ class WorkerGroup:
         rpc_timeout_s: float = 60.0,
         collective_timeout_s: float | None = None,
         bundle_resources: dict[str, float] | None = None,
+        compiled_steps: bool | None = None,
     ):
         self.topology = Topology.from_config(config)
+        self._compiled_requested = compiled_steps
         world_size = self.topology.world_size
         if rpc_timeout_s <= 0:
             raise ValueError(f"rpc_timeout_s must be positive (got rpc_timeout_s={rpc_timeout_s!r})")
@@ -127,6 +138,9 @@ class WorkerGroup:
         self.digest = config.digest
         self._error: WorkerGroupError | None = None
         self.actors: list[Any] = []
+        # The compiled step seam (None: steps go through plain actor calls, for compiled_off).
+        self._steps: CompiledSteps | None = None
+        self.compiled_off: str | None = None
         bundle = _rank_bundle(config, bundle_resources)
         self.config = config
         self.collective_timeout_s = collective_timeout_s or min(rpc_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
@@ -157,6 +171,7 @@ class WorkerGroup:
         self.infos = infos
         self.kv_layout = infos[0].kv_layout
         self.vocab_size = infos[0].vocab_size
+        self._compile_steps()
 
     def _start_actor(
         self, placement: Any, bundle: int, rank: int, world_size: int, digest: str, name: str | None = None
@@ -185,12 +200,56 @@ class WorkerGroup:
 
     def execute_leaders(self, step: StepBatch) -> list[Any]:
         """Run ``step`` on every rank; returns the result of each DP-attention rank's leader
-        (:attr:`Topology.attn_dp_leaders`), in DP order: ``[rank 0's]`` without DP attention."""
+        (:attr:`Topology.attn_dp_leaders`), in DP order: ``[rank 0's]`` without DP attention.
+
+        Through the compiled step graph when there is one (:mod:`~flotilla.cluster.compiled_steps`),
+        else one actor call per rank."""
         if self._error is not None:
             raise self._error
-        step_ref = ray.put(step)
-        results = self._gather([a.execute.remote(step_ref) for a in self.actors], "execute a step")
+        if self._steps is not None:
+            try:
+                results = self._steps.run(step)
+            except Exception as exc:  # noqa: BLE001 - every failure breaks the group, named below
+                self._error = self._diagnose_compiled(exc, "execute a step")
+                self._close_steps()
+                raise self._error from None
+        else:
+            step_ref = ray.put(step)
+            results = self._gather([a.execute.remote(step_ref) for a in self.actors], "execute a step")
         return [results[rank] for rank in self.topology.attn_dp_leaders]
+
+    def _compile_steps(self) -> None:
+        """Build the compiled step graph over the current ranks (or note why steps stay plain calls)."""
+        self.compiled_off = compiled_steps_off_reason((self.config.device or "cpu") == "cuda", self._compiled_requested)
+        if self.compiled_off is not None:
+            return
+        try:
+            self._steps = CompiledSteps(self.actors, self.rpc_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - plain actor calls still work
+            self.compiled_off = f"compiling the step graph failed: {_first_line(exc)}"
+            logger.warning("flotilla: steps go through plain actor calls: %s", self.compiled_off)
+
+    def _close_steps(self) -> None:
+        """Tear the compiled step graph down (before the ranks change or go away)."""
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            steps.close()
+
+    def _diagnose_compiled(self, first: BaseException, what: str) -> WorkerGroupError:
+        """Which rank to blame after a compiled step failed: a dead rank first (a ping tells
+        it; the main thread answers even while a step runs), then the error itself (a
+        compiled graph does not say which rank raised: the message does, when the rank's
+        error names it)."""
+        pings = _settle([a.ping.remote() for a in self.actors], min(self.rpc_timeout_s, PING_TIMEOUT_S))
+        for rank, outcome in enumerate(pings):
+            if isinstance(outcome, RayActorError):
+                return WorkerGroupError(rank, f"its actor died while trying to {what}: {_first_line(outcome)}")
+        if isinstance(first, RayTaskError):
+            cause = first.cause if first.cause is not None else first
+            return WorkerGroupError(None, f"a rank raised while trying to {what}: {type(cause).__name__}: {cause}")
+        if isinstance(first, TimeoutError):
+            return WorkerGroupError(None, f"the ranks did not {what} within {self.rpc_timeout_s}s")
+        return WorkerGroupError(None, f"failed to {what}: {_first_line(first)}")
 
     def execute_sampled(self, schedule: Any, rows: Sequence[Any]) -> list[Any]:
         """Run one scheduled step on every rank, each DP rank's leader sampling its part's
@@ -316,6 +375,8 @@ class WorkerGroup:
         except ElasticJoinError:
             self.discard_joiners(joiners)
             raise
+        # NOTE: the ranks leave the compiled step graph first: it is built over the old ranks.
+        self._close_steps()
         refs = [a.elastic_commit.remote(joiners.topology, rendezvous, joiners.placements) for a in everyone]
         outcomes = _settle(refs, bound)
         failed = [(rank, out) for rank, out in enumerate(outcomes) if isinstance(out, BaseException)]
@@ -325,6 +386,7 @@ class WorkerGroup:
             self.topology = joiners.topology
             self.world_size = joiners.topology.world_size
             self._join_placements.append(joiners.placement)
+            self._compile_steps()
             return
         # NOTE: a dead rank first: the others' rendezvous timeouts are its consequence.
         rank, exc = min(failed, key=lambda f: (not isinstance(f[1], RayActorError), f[0]))
@@ -346,6 +408,7 @@ class WorkerGroup:
             rank, exc = failed[0]
             self._error = WorkerGroupError(rank, f"could not return to the old world after a failed join ({reason}): {_first_line(exc)}")
             raise ElasticJoinError(f"{reason}; and the group broke going back: {self._error}")
+        self._compile_steps()
 
     def _rendezvous_point(self) -> tuple[str, int]:
         """Rank 0's rendezvous point for a new world (ElasticJoinError when it does not answer)."""
@@ -414,6 +477,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every rank and release the placement group (idempotent)."""
+        self._close_steps()
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -25,7 +25,9 @@ running ranks with :meth:`Worker.elastic_rollback`.
 
 from __future__ import annotations
 
+import functools
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -386,6 +388,40 @@ class Worker:
         destroy()
 
 
+# Calls that never touch the rank's state, answered even while a step runs (liveness).
+UNLOCKED_METHODS = frozenset({"ping", "node_id"})
+
+
+def one_call_at_a_time(cls: type) -> type:
+    """A subclass of ``cls`` whose public methods (but :data:`UNLOCKED_METHODS`) run one at a
+    time under one lock.
+
+    NOTE: the group's compiled step loop (:class:`~flotilla.cluster.group.WorkerGroup`) runs
+    ``execute`` on a background thread of the actor, while every other call arrives on its
+    main thread: the lock keeps a query, a KV transfer or an elastic commit from running
+    inside a step, as plain actor calls never did."""
+
+    def locked(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            with self._call_lock:
+                return method(self, *args, **kwargs)
+
+        return call
+
+    def init(self, *args, **kwargs):
+        self._call_lock = threading.RLock()
+        cls.__init__(self, *args, **kwargs)
+
+    name = f"Serial{cls.__name__}"
+    members = {"__init__": functools.wraps(cls.__init__)(init), "__doc__": cls.__doc__, "__module__": cls.__module__,
+               "__qualname__": name}
+    for name, member in vars(cls).items():
+        if callable(member) and not name.startswith("_") and name not in UNLOCKED_METHODS:
+            members[name] = locked(member)
+    return type(name, (cls,), members)
+
+
 def build_runner(config: ResolvedConfig, source: ModelSource, layout: ParallelLayout) -> ModelRunner:
     """A :class:`ModelRunner` whose model is ``layout``'s shard."""
     return ModelRunner(config, source, parallel=layout)
@@ -393,4 +429,5 @@ def build_runner(config: ResolvedConfig, source: ModelSource, layout: ParallelLa
 
 # The Ray actor shell: all logic stays in Worker. A crashed rank is not restarted by
 # Ray (the group reports it and the replica restarts the whole group).
-WorkerActor = ray.remote(max_restarts=0, max_task_retries=0)(Worker)
+SerialWorker = one_call_at_a_time(Worker)
+WorkerActor = ray.remote(max_restarts=0, max_task_retries=0)(SerialWorker)

@@ -85,11 +85,15 @@ def test_world_size_1_matches_in_process_runner(ray_cluster, source, single_rank
         group.shutdown()
 
 
-def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_tokens):
+@pytest.mark.parametrize("compiled", [False, True], ids=["actor-calls", "compiled-steps"])
+def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_tokens, compiled):
     # NOTE: pinned to the session's second simulated node: rank 0 hosts the rendezvous there,
     # and the TP group packs onto that one node.
-    group = WorkerGroup(resolved(source, tp_size=2), source, rpc_timeout_s=30, bundle_resources={NODE_B: 1})
+    group = WorkerGroup(
+        resolved(source, tp_size=2), source, rpc_timeout_s=30, bundle_resources={NODE_B: 1}, compiled_steps=compiled
+    )
     try:
+        assert (group.compiled_off is None) == compiled, group.compiled_off
         assert group.call("node_id") == [node_holding(NODE_B)] * 2
         # Each rank holds one of the two KV heads: half the single-rank cache bytes per token.
         assert group.kv_layout.bytes_per_token * 2 == ModelRunner(resolved(source), source).kv_layout.bytes_per_token
@@ -98,9 +102,13 @@ def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_toke
         group.shutdown()
 
 
-def test_killed_rank_is_reported_within_the_timeout(ray_cluster, source):
-    group = WorkerGroup(resolved(source, tp_size=2), source, rpc_timeout_s=15, collective_timeout_s=5)
+@pytest.mark.parametrize("compiled", [False, True], ids=["actor-calls", "compiled-steps"])
+def test_killed_rank_is_reported_within_the_timeout(ray_cluster, source, compiled):
+    group = WorkerGroup(
+        resolved(source, tp_size=2), source, rpc_timeout_s=15, collective_timeout_s=5, compiled_steps=compiled
+    )
     try:
+        assert (group.compiled_off is None) == compiled, group.compiled_off
         ray.kill(group.actors[1], no_restart=True)
         start = time.monotonic()
         with pytest.raises(WorkerGroupError) as info:
@@ -112,6 +120,55 @@ def test_killed_rank_is_reported_within_the_timeout(ray_cluster, source):
             group.execute(None)
     finally:
         group.shutdown()
+
+
+def test_compiled_steps_serve_other_calls_between_steps_and_break_on_a_rank_error(ray_cluster, source, single_rank_tokens):
+    group = WorkerGroup(resolved(source, tp_size=2), source, rpc_timeout_s=30, compiled_steps=True)
+    try:
+        assert group.compiled_off is None
+        seen = []
+
+        def execute(step):
+            tokens = group.execute(step)
+            # NOTE: a plain actor call between compiled steps (the ranks' main threads answer it).
+            seen.append([stats["steps"] for stats in group.call("step_stats")])
+            return tokens
+
+        assert greedy_tokens(execute, group.kv_layout) == single_rank_tokens
+        assert seen[-1] == [len(seen)] * 2
+        # A step no rank can run: every rank raises, the group breaks with the ranks' error.
+        with pytest.raises(WorkerGroupError, match="a rank raised while trying to execute a step: AttributeError"):
+            group.execute(StepBatch(None, ()))
+        with pytest.raises(WorkerGroupError, match="AttributeError"):
+            group.execute(StepBatch(None, ()))
+    finally:
+        group.shutdown()
+
+
+def test_cpu_groups_step_through_actor_calls_by_default(ray_cluster, source, monkeypatch):
+    monkeypatch.delenv("FLOTILLA_COMPILED_STEPS", raising=False)
+    group = WorkerGroup(resolved(source), source, rpc_timeout_s=30)
+    try:
+        assert "CPU group" in group.compiled_off
+    finally:
+        group.shutdown()
+
+
+def test_when_steps_go_through_a_compiled_graph(monkeypatch):
+    from flotilla.cluster.compiled_steps import compiled_steps_off_reason
+
+    monkeypatch.delenv("FLOTILLA_COMPILED_STEPS", raising=False)
+    assert compiled_steps_off_reason(on_gpu=True) is None
+    assert "CPU group" in compiled_steps_off_reason(on_gpu=False)
+    assert compiled_steps_off_reason(on_gpu=False, requested=True) is None
+    assert "turned off" in compiled_steps_off_reason(on_gpu=True, requested=False)
+    monkeypatch.setenv("FLOTILLA_COMPILED_STEPS", "0")
+    assert compiled_steps_off_reason(on_gpu=True) == "FLOTILLA_COMPILED_STEPS=0"
+    monkeypatch.setenv("FLOTILLA_COMPILED_STEPS", "1")
+    assert compiled_steps_off_reason(on_gpu=False) is None
+    monkeypatch.setenv("FLOTILLA_COMPILED_STEPS", "yes")
+    with pytest.raises(ValueError, match="FLOTILLA_COMPILED_STEPS='yes'"):
+        compiled_steps_off_reason(on_gpu=True)
 
 
 def test_worker_group_error_pickles():
