@@ -73,14 +73,18 @@ class CompiledSteps:
         self.timeout_s = timeout_s
         self._graph = graph.experimental_compile()
 
-    def run(self, step: Any) -> list[Any]:
-        """Every rank's result of ``step``, in rank order, within ``timeout_s`` in all.
+    def submit(self, step: Any) -> list[Any]:
+        """Send ``step`` to every rank; returns the references to their results (rank order),
+        to :meth:`collect` before the next submit but one."""
+        return self._graph.execute(step)
+
+    def collect(self, refs: Sequence[Any]) -> list[Any]:
+        """Every rank's result of a submitted step, in rank order, within ``timeout_s`` in all.
 
         Raises the first error Ray reports: ``RayTaskError`` (a rank raised),
         ``RayChannelError`` / ``RayActorError`` (a rank died), ``RayChannelTimeoutError``
         (a subclass of ``TimeoutError``: out of time). The graph is then unusable."""
         deadline = time.monotonic() + self.timeout_s
-        refs = self._graph.execute(step)
         return [ray.get(ref, timeout=max(0.001, deadline - time.monotonic())) for ref in refs]
 
     def close(self) -> None:

@@ -204,19 +204,44 @@ class WorkerGroup:
 
         Through the compiled step graph when there is one (:mod:`~flotilla.cluster.compiled_steps`),
         else one actor call per rank."""
+        return self.collect(self.submit(step))
+
+    def submit(self, step: StepBatch) -> list[Any]:
+        """Send ``step`` to every rank without waiting; returns the references :meth:`collect`
+        takes (collect each before submitting the step after next)."""
         if self._error is not None:
             raise self._error
         if self._steps is not None:
             try:
-                results = self._steps.run(step)
+                return self._steps.submit(step)
             except Exception as exc:  # noqa: BLE001 - every failure breaks the group, named below
-                self._error = self._diagnose_compiled(exc, "execute a step")
-                self._close_steps()
-                raise self._error from None
+                self._break_compiled(exc)
+        step_ref = ray.put(step)
+        return [a.execute.remote(step_ref) for a in self.actors]
+
+    def collect(self, refs: list[Any]) -> list[Any]:
+        """The DP leaders' results of a step handed to :meth:`submit` (see :meth:`execute_leaders`)."""
+        if self._error is not None:
+            raise self._error
+        if self._steps is not None:
+            try:
+                results = self._steps.collect(refs)
+            except Exception as exc:  # noqa: BLE001 - every failure breaks the group, named below
+                self._break_compiled(exc)
         else:
-            step_ref = ray.put(step)
-            results = self._gather([a.execute.remote(step_ref) for a in self.actors], "execute a step")
+            results = self._gather(refs, "execute a step")
         return [results[rank] for rank in self.topology.attn_dp_leaders]
+
+    def _break_compiled(self, exc: BaseException) -> None:
+        """A compiled step failed: the group is broken; raise its WorkerGroupError."""
+        self._error = self._diagnose_compiled(exc, "execute a step")
+        self._close_steps()
+        raise self._error from None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps go through the compiled step graph (see :attr:`compiled_off`)."""
+        return self._steps is not None
 
     def _compile_steps(self) -> None:
         """Build the compiled step graph over the current ranks (or note why steps stay plain calls)."""

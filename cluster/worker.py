@@ -36,6 +36,7 @@ import torch
 
 from flotilla.cluster.engine.dp_scheduler import part_for_rank
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
+from flotilla.cluster.engine.overlap import TokenFeed
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.models.base import ParallelLayout
@@ -66,14 +67,26 @@ class StepBatch:
             (schedule order) instead of sampled tokens, and ``rows`` is ignored: the driver
             samples (its seeded generators keep their state there).
 
+        pipelined: launch this step and return the PREVIOUS pipelined step's tokens, once
+            this one is queued on the device (overlap scheduling across the group, see
+            :class:`~flotilla.cluster.engine.group_runner.GroupRunner`); the first returns
+            None. A non-pipelined step may only follow a :attr:`flush`.
+        feed: (pipelined) fill the step's pending input tokens from the previous pipelined
+            step's sampled ids, still on the device.
+        flush: launch nothing; return the previous pipelined step's tokens (``schedule``
+            is None).
+
     NOTE: a row's ``generator`` (seeded sampling) does not survive the trip to the
     workers with its state in sync across steps; send greedy or unseeded rows until the
     sampler state lives on rank 0.
     """
 
-    schedule: SchedulerOutput
+    schedule: SchedulerOutput | None
     rows: Sequence[SamplingRow] = ()
     return_logits: bool = False
+    pipelined: bool = False
+    feed: bool = False
+    flush: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,9 @@ class Worker:
         self.num_steps = 0
         self.num_empty_steps = 0
         self._is_dp_leader: bool | None = None
+        # The pipelined step launched last and not yet returned: (its sampled batch or None,
+        # request id -> its row), see StepBatch.pipelined.
+        self._pipelined: tuple[Any, dict[str, int]] | None = None
 
     def accept_config(self, config: ResolvedConfig) -> str:
         """Keep ``config`` when its digest is the group's; returns the digest.
@@ -270,14 +286,44 @@ class Worker:
         """
         if self.runner is None or self.layout is None:
             raise RuntimeError(f"rank {self.rank}: execute() before load()")
+        if step.flush:
+            result = self._take_pipelined()
+            return result if self._leads_dp_rank() else None
+        if self._pipelined is not None and not step.pipelined:
+            raise RuntimeError(f"rank {self.rank}: a step arrived while a pipelined step is unresolved; flush first")
         part, rows = part_for_rank(step.schedule, self.layout.dp_rank, self.layout.dp_size)
         self.num_steps += 1
         self.num_empty_steps += part.is_empty
-        if getattr(step, "return_logits", False):
+        if step.pipelined:
+            result = self._launch_pipelined(part, list(step.rows)[rows], step.feed)
+        elif step.return_logits:
             result = self._step_logits(part)
         else:
             result = self.runner.execute(part, list(step.rows)[rows])
         return result if self._leads_dp_rank() else None
+
+    def _launch_pipelined(self, part: SchedulerOutput, rows: list[SamplingRow], feed: bool) -> list[SampledToken] | None:
+        """Queue ``part`` (its pending ids fed on the device from the previous pipelined step
+        when ``feed``), then wait for the previous pipelined step's tokens and return them
+        (None when there was none): the host work of this step overlaps the device's work
+        on the previous one."""
+        previous = self._pipelined
+        token_feed = None
+        if feed and previous is not None and previous[0] is not None:
+            token_feed = TokenFeed(previous[0].token_ids, previous[1])
+        batch = self.runner.launch(part, rows, token_feed)
+        sampling = [item.request.request_id for item in part.scheduled if item.samples]
+        tokens = self._take_pipelined()
+        self._pipelined = (batch, {rid: i for i, rid in enumerate(sampling)})
+        return tokens if previous is not None else None
+
+    def _take_pipelined(self) -> list[SampledToken]:
+        """The unresolved pipelined step's tokens (waits for them; ``[]`` when it sampled nothing
+        or there is none); the rank then holds no pipelined step."""
+        previous, self._pipelined = self._pipelined, None
+        if previous is None or previous[0] is None:
+            return []
+        return previous[0].resolve()
 
     def _leads_dp_rank(self) -> bool:
         """Whether this rank returns its DP rank's results (Topology.attn_dp_leaders)."""

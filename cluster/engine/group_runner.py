@@ -44,7 +44,7 @@ from flotilla.cluster.elastic import (
     grow_placements,
     summed_expert_load,
 )
-from flotilla.cluster.engine.dp_scheduler import DPSchedulerOutput
+from flotilla.cluster.engine.dp_scheduler import DPSchedulerOutput, can_grow_elastic_ep
 from flotilla.cluster.engine.kv_ports import check_kv_attachable
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
@@ -76,6 +76,42 @@ def ensure_ray(num_ranks: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # NOTE: address="local": a new cluster even when `ray start` runs one on this machine.
     ray.init(address="local", include_dashboard=False, num_cpus=max(4, num_ranks), log_to_driver=False, configure_logging=False)
+
+
+# GroupBatch.token_ids of a pipelined step: its ids stay on the ranks' devices (the driver
+# only passes the feed back to launch, which tells the ranks to use them).
+ON_RANKS = "sampled ids on the ranks"
+
+
+class GroupBatch:
+    """One launched step of a group (:meth:`GroupRunner.launch`), the group's
+    :class:`~flotilla.cluster.engine.sampler.SampledBatch`.
+
+    Attributes:
+        token_ids: :data:`ON_RANKS` for a pipelined step (the ranks feed its ids to the
+            next one), None for a step sampled here (nothing can feed from it).
+        result_refs: the references of the launch (or flush) whose result carries this
+            step's tokens; set by the next launch."""
+
+    def __init__(self, runner: "GroupRunner", tokens: list[SampledToken] | None = None):
+        self.runner = runner
+        self.token_ids = ON_RANKS if tokens is None else None
+        self.result_refs: list[Any] | None = None
+        self._tokens = tokens
+
+    def can_feed_rows(self, rows: Sequence[SamplingRow]) -> bool:
+        """Whether a step with ``rows`` may launch before this one resolves: its ids must be
+        on the ranks, and no row may be seeded (seeded rows sample here, from logits)."""
+        return self.token_ids is ON_RANKS and not any(row.generator is not None for row in rows)
+
+    def resolve(self) -> list[SampledToken]:
+        """The step's tokens, in row order (waits for them; flushes the ranks when no later
+        launch carries them)."""
+        if self._tokens is None:
+            refs = self.result_refs if self.result_refs is not None else self.runner._take_flush(self)
+            parts = self.runner.group.collect(refs)
+            self._tokens = [token for part in parts for token in (part or [])]
+        return self._tokens
 
 
 class RankGraphs:
@@ -151,6 +187,8 @@ class GroupRunner:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
         self.sampler = Sampler(generator)
         self._kv_attached = False
+        # The last pipelined step launched whose tokens are still on the ranks (see launch).
+        self._open: GroupBatch | None = None
         self._startup = self.group.call("startup_report")
         sizes = self._startup[0]["graph_batch_sizes"]
         # The ranks' decode CUDA graphs, seen from here (for timing them between steps).
@@ -168,6 +206,52 @@ class GroupRunner:
         """A fresh generator on the driver, for a request with ``seed``."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    @property
+    def supports_overlap(self) -> bool:
+        """Whether the engine may pipeline steps through :meth:`launch` (overlap scheduling
+        across the group): not under DP attention or elastic EP (their steps stay one at a
+        time). The engine turns it on for GPU groups (see ``LLMEngine``)."""
+        return self.group.topology.attn_dp_size == 1 and not can_grow_elastic_ep(self.config)
+
+    def launch(
+        self, step: SchedulerOutput | DPSchedulerOutput, rows: Sequence[SamplingRow], feed: Any = None
+    ) -> "GroupBatch":
+        """Queue ``step`` on the ranks without waiting for its tokens (overlap scheduling;
+        see :mod:`~flotilla.cluster.engine.overlap`). ``feed`` (the previous launch's feed):
+        the ranks fill the step's pending ids from their previous step's device ids.
+
+        Each rank launches the step, then waits for the previous pipelined step's tokens and
+        returns those, so the result of this launch arrives with the next one (or a flush,
+        when the engine resolves before launching more). A step with a seeded row runs at
+        once and samples here (the engine resolves the step before it: see
+        :meth:`GroupBatch.can_feed_rows`)."""
+        from flotilla.cluster.worker import StepBatch
+
+        if any(row.generator is not None for row in rows):
+            self._flush_open()
+            return GroupBatch(self, tokens=self.execute(step, rows))
+        refs = self.group.submit(StepBatch(step, [_shipped(row) for row in rows], pipelined=True, feed=feed is not None))
+        if self._open is not None:
+            self._open.result_refs = refs
+        else:
+            self.group.collect(refs)  # NOTE: the ranks held no step: nothing comes back but the launch
+        self._open = GroupBatch(self)
+        return self._open
+
+    def _flush_open(self) -> None:
+        """Have the ranks hand back the open pipelined step's tokens (kept in its batch)."""
+        if self._open is not None:
+            self._open.resolve()
+
+    def _take_flush(self, batch: "GroupBatch") -> list[Any]:
+        """The references of a flush that returns ``batch``'s tokens (``batch`` is the open one)."""
+        if batch is not self._open:
+            raise RuntimeError("a pipelined step resolved out of order: only the last launched one flushes")
+        from flotilla.cluster.worker import StepBatch
+
+        self._open = None
+        return self.group.submit(StepBatch(None, (), flush=True))
+
     def execute(self, step: SchedulerOutput | DPSchedulerOutput, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Run one step on every rank; returns one token per sampling request (schedule
         order, DP-major under DP attention), sampled with ``rows`` (one per such request,
@@ -176,6 +260,7 @@ class GroupRunner:
         Without a seeded row, each DP rank's leader samples its rows next to its logits (on
         its GPU) and only the tokens come back; a step with a seeded row brings the float32
         logits back and samples them here, where the seeded generators keep their state."""
+        self._flush_open()
         if not any(row.generator is not None for row in rows):
             parts = self.group.execute_sampled(step, [_shipped(row) for row in rows])
             tokens = [token for part in parts for token in part]

@@ -110,9 +110,10 @@ class LLMEngine:
             (``{"ranks": {...}, "joiners": {...}}``, see :func:`build_runner`); also used by
             :meth:`restart`.
         overlap: overlap scheduling (see the module docstring); None: on when the runner
-            runs in this process on CUDA (it has ``launch``) and the config does not set
-            ``disable_overlap_schedule``. True forces it on any in-process runner (CPU
-            tests of the bookkeeping).
+            can launch steps ahead (an in-process runner has ``launch``; a worker group says
+            so in ``supports_overlap``), the model runs on CUDA and the config does not set
+            ``disable_overlap_schedule``. True forces it on any such runner (CPU tests of the
+            bookkeeping).
     """
 
     def __init__(
@@ -148,14 +149,16 @@ class LLMEngine:
         self._inflight: InflightStep | None = None
 
     def _overlap_wanted(self, overlap: bool | None) -> bool:
-        in_process = hasattr(self.runner, "launch")
+        # NOTE: a worker group says itself whether its steps pipeline (GroupRunner.supports_overlap).
+        supported = getattr(self.runner, "supports_overlap", hasattr(self.runner, "launch"))
         if overlap is not None:
-            if overlap and not in_process:
-                raise ValueError(f"overlap=True needs an in-process runner; {type(self.runner).__name__} has no launch()")
+            if overlap and not supported:
+                raise ValueError(f"overlap=True needs a runner that can launch steps ahead; {type(self.runner).__name__} cannot")
             return overlap
         device = getattr(self.runner, "device", None)
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        return in_process and on_cuda and not bool(getattr(self.config, "disable_overlap_schedule", False))
+        # NOTE: a worker group's driver-side device is the CPU; its ranks' is the config's.
+        on_cuda = (device is not None and torch.device(device).type == "cuda") or self.config.device == "cuda"
+        return supported and on_cuda and not bool(getattr(self.config, "disable_overlap_schedule", False))
 
     # -- requests ----------------------------------------------------------------
 

@@ -126,6 +126,10 @@ def can_feed(step: Any, inflight: InflightStep, rows: Sequence[SamplingRow], hol
         return True
     if any(row.params.has_penalties for row in rows):
         return False
+    # NOTE: a worker group's batch (GroupBatch) knows whether its ids can feed this step's rows.
+    can_feed_rows = getattr(inflight.batch, "can_feed_rows", None)
+    if can_feed_rows is not None and not can_feed_rows(rows):
+        return False
     for item in step.scheduled:
         request = item.request
         if request.request_id in holds_kv:

@@ -211,9 +211,9 @@ def test_a_runner_failure_in_flight_fails_every_request(model_path, monkeypatch)
     assert engine.scheduler.pool.num_used_blocks == 0
 
 
-def test_overlap_needs_an_in_process_runner(model_path):
+def test_overlap_needs_a_runner_that_launches_ahead(model_path):
     engine = make_engine(model_path, False)
-    with pytest.raises(ValueError, match="in-process runner"):
+    with pytest.raises(ValueError, match="overlap=True needs a runner that can launch steps ahead; _NoLaunch cannot"):
         LLMEngine(engine.config, engine.source, runner=_NoLaunch(engine.runner), overlap=True)
 
 
