@@ -251,6 +251,32 @@ def fused_moe_from_logits(
     (:func:`~flotilla.kernels.triton_moe.folds_sum`): three launches in all at batch 1, where
     the separate ops take five. Other calls run the ``triton`` ``select_experts`` and
     ``fused_moe``. CUDA-graph capturable."""
+    return moe_from_logits_with_config(
+        hidden, router_logits, w13, w2, top_k, renormalize, scoring, num_expert_group, topk_group, correction_bias,
+        routed_scaling_factor, activation, expert_map,
+    )  # fmt: skip
+
+
+def moe_from_logits_with_config(
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scoring: str = "softmax",
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+    config: triton_moe.MoEConfig | None = None,
+    route_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_moe_from_logits` with the expert tiles given by ``config`` (None:
+    :func:`~flotilla.kernels.triton_moe.pick_config`) and the routing kernel's warps (None:
+    :func:`default_warps`), for tuning (``benchmarks/moe_decode_probe.py``)."""
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got scoring={scoring!r}")
     if router_logits.dim() != 2:
@@ -258,13 +284,13 @@ def fused_moe_from_logits(
     num_tokens, num_experts = router_logits.shape
     num_local = w13.shape[0]
     grouped = num_expert_group is not None or topk_group is not None
-    one_program = not grouped and fits_one_program(num_tokens, num_experts, top_k, num_local)
-    if not one_program:
+    if grouped or not fits_one_program(num_tokens, num_experts, top_k, num_local):
         weights, ids = select_experts(
             router_logits, top_k, renormalize, scoring, num_expert_group, topk_group, correction_bias,
             routed_scaling_factor,
         )  # fmt: skip
-        return triton_moe.fused_moe(hidden, w13, w2, weights, ids, activation, expert_map), weights, ids
+        out = triton_moe.fused_moe_with_config(hidden, w13, w2, weights, ids, activation, expert_map, config)
+        return out, weights, ids
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
     if correction_bias is not None and (correction_bias.shape != (num_experts,) or not correction_bias.is_contiguous()):
@@ -272,15 +298,15 @@ def fused_moe_from_logits(
             f"correction_bias must be a contiguous [{num_experts}] tensor, got shape {tuple(correction_bias.shape)}"
         )
     triton_moe.check_experts(hidden, w13, w2, activation, expert_map)
-    if router_logits.shape[0] != hidden.shape[0] or router_logits.device != hidden.device:
+    if num_tokens != hidden.shape[0] or router_logits.device != hidden.device:
         raise ValueError(
             f"router_logits must be [T, E] on hidden's device with T={hidden.shape[0]}; got shape "
             f"{tuple(router_logits.shape)} on {router_logits.device}"
         )
-    cfg = triton_moe.pick_config(num_tokens * top_k, num_local)
+    cfg = config or triton_moe.pick_config(num_tokens * top_k, num_local)
     tiles = triton_moe.down_tiles(hidden.shape[1], cfg) if triton_moe.folds_sum(num_tokens, top_k) else 0
     weights, ids, routing = select_and_route(
         router_logits, top_k, renormalize, scoring, correction_bias, routed_scaling_factor, num_local, expert_map,
-        cfg.block_m, tiles,
+        cfg.block_m, tiles, route_warps,
     )  # fmt: skip
     return triton_moe.run_experts(hidden, w13, w2, weights, routing, top_k, activation, cfg), weights, ids
