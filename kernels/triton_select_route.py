@@ -246,11 +246,11 @@ def fused_moe_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``select_experts`` then ``fused_moe``: the torch reference's arguments and result
     (:func:`flotilla.kernels.moe.fused_moe_from_logits`: ``(out[T, H], topk_weights,
-    topk_ids)``). A call that :func:`fits_one_program`, without group-limited routing, routes
-    in one launch (:func:`select_and_route`) and its down kernel folds the route sum
-    (:func:`~flotilla.kernels.triton_moe.folds_sum`): three launches in all at batch 1, where
-    the separate ops take five. Other calls run the ``triton`` ``select_experts`` and
-    ``fused_moe``. CUDA-graph capturable."""
+    topk_ids)``). A call that :func:`fits_one_program`, without group-limited routing (a
+    single group is no limit), routes in one launch (:func:`select_and_route`) and its down
+    kernel folds the route sum (:func:`~flotilla.kernels.triton_moe.folds_sum`): three launches
+    in all at batch 1, where the separate ops take five. Other calls run the ``triton``
+    ``select_experts`` and ``fused_moe``. CUDA-graph capturable."""
     return moe_from_logits_with_config(
         hidden, router_logits, w13, w2, top_k, renormalize, scoring, num_expert_group, topk_group, correction_bias,
         routed_scaling_factor, activation, expert_map,
@@ -283,7 +283,10 @@ def moe_from_logits_with_config(
         raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
     num_tokens, num_experts = router_logits.shape
     num_local = w13.shape[0]
-    grouped = num_expert_group is not None or topk_group is not None
+    # NOTE: one group of all experts is no group limit (DeepSeek-V2-Lite), as select_experts takes it.
+    grouped = (num_expert_group is not None or topk_group is not None) and not (
+        num_expert_group == 1 and topk_group is not None
+    )
     if grouped or not fits_one_program(num_tokens, num_experts, top_k, num_local):
         weights, ids = select_experts(
             router_logits, top_k, renormalize, scoring, num_expert_group, topk_group, correction_bias,

@@ -267,6 +267,24 @@ def test_fused_moe_from_logits_delegates_group_routing_and_checks_inputs():
         registry.get("fused_moe_from_logits", "triton")(x, logits, w13, w2, 65, True)
 
 
+def test_one_group_is_no_group_limit(monkeypatch):
+    # DeepSeek-V2-Lite: n_group = topk_group = 1, float32 router logits, 64 experts, top 6.
+    _, _, _, triton_select_route = _modules()
+    calls = []
+    one_launch = triton_select_route.select_and_route
+    monkeypatch.setattr(triton_select_route, "select_and_route", lambda *a, **k: calls.append(1) or one_launch(*a, **k))
+    w13, w2 = _weights(64, 256, 128, torch.bfloat16, seed=4)
+    x = torch.randn(2, 256, device="cuda").bfloat16()
+    logits = _distinct_logits(2, 64, seed=9)
+    kwargs = dict(num_expert_group=1, topk_group=1)
+    out, weights, ids = registry.get("fused_moe_from_logits", "triton")(x, logits, w13, w2, 6, False, **kwargs)
+    assert calls == [1], "one group should route in one launch"
+    want_w, want_ids = torch_select_experts(logits, 6, False, **kwargs)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=SELECT_RTOL, atol=1e-12)
+    _compare(out, torch_fused_moe(x.float(), w13.float(), w2.float(), weights, ids), "one group")
+
+
 def test_moe_layer_routes_through_the_one_launch_op():
     from flotilla.cluster.models.moe_layer import FusedMoE
 
