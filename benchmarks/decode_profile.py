@@ -11,10 +11,8 @@ idle time between kernels). The replays run padding rows (one token of context e
 ``DecodeGraphs.time_replay``), so attention is at its cheapest; ``--context`` instead decodes
 real requests of that many prompt tokens and profiles their steps. ``--without`` turns fused
 decode ops off for a side-by-side (``rms_norm_linear``, ``silu_and_mul_linear``,
-``qkv_prepare``, ``rms_norm_and_linear`` (MoE: the post-attention norm fused into the router),
-``fused_moe_from_logits`` (MoE: select_experts and the routing sort in one launch): the separate
-ops run; ``linear``: ``F.linear`` for every projection; ``pdl``: the Triton kernels without
-programmatic dependent launch; ``fold_sum``: the MoE route sum as a kernel of its own).
+``qkv_prepare``: the separate ops run; ``linear``: ``F.linear`` for every projection;
+``pdl``: the Triton kernels without programmatic dependent launch).
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
@@ -136,38 +134,29 @@ def _profile(opts: argparse.Namespace, flags: dict[str, object], without: list[s
     return 0
 
 
-ABLATABLE = (
-    "linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", "pdl", "rms_norm_and_linear",
-    "fused_moe_from_logits", "fold_sum",
-)
+ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", "pdl")
 
 
 @contextlib.contextmanager
 def _turned_off(ops: list[str]):
     """While inside, the kernel registry hands out the unfused choice for ``ops``: None for a
     fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
-    ``pdl``: the Triton kernels launched without programmatic dependent launch; ``fold_sum``:
-    the MoE route sum as its own kernel. Restored on exit."""
+    ``pdl``: the Triton kernels launched without programmatic dependent launch. Restored on exit."""
     from flotilla.kernels import registry
 
     lookup = registry.get
-    triton_pdl = triton_moe = None
-    fold_limit = 0
+    triton_pdl = None
     if "pdl" in ops:
         from flotilla.kernels import triton_pdl
 
         triton_pdl.ENABLED = False
-    if "fold_sum" in ops:
-        from flotilla.kernels import triton_moe
-
-        fold_limit, triton_moe.FOLD_SUM_MAX_ROUTES = triton_moe.FOLD_SUM_MAX_ROUTES, 0
 
     def get(op: str, backend: str = "torch"):
         if op in ops:
             return lookup("linear", "torch") if op == "linear" else None
         return lookup(op, backend)
 
-    if any(op not in ("pdl", "fold_sum") for op in ops):
+    if any(op != "pdl" for op in ops):
         registry.get = get
     try:
         yield
@@ -175,8 +164,6 @@ def _turned_off(ops: list[str]):
         registry.get = lookup
         if triton_pdl is not None:
             triton_pdl.ENABLED = True
-        if triton_moe is not None:
-            triton_moe.FOLD_SUM_MAX_ROUTES = fold_limit
 
 
 def _server_flags(rest: list[str]) -> dict[str, object]:

@@ -136,29 +136,3 @@ def fused_moe(
         y = h @ w2[local].t()
         out.index_add_(0, tokens, y.float() * flat_weights[routes, None].float())
     return out.to(hidden.dtype)
-
-
-@register("fused_moe_from_logits", "torch")
-def fused_moe_from_logits(
-    hidden: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    scoring: str = "softmax",
-    num_expert_group: int | None = None,
-    topk_group: int | None = None,
-    correction_bias: torch.Tensor | None = None,
-    routed_scaling_factor: float = 1.0,
-    activation: str = "silu",
-    expert_map: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`select_experts` on ``router_logits`` then :func:`fused_moe` with its choice, as one
-    op (CUDA backends route and run the experts in fewer launches): ``(out[T, H], topk_weights,
-    topk_ids)``. Arguments as those two functions take them; ``topk_ids`` are the global ids
-    the router chose (``expert_map`` maps them to local weights, as in :func:`fused_moe`)."""
-    topk_weights, topk_ids = select_experts(
-        router_logits, top_k, renormalize, scoring, num_expert_group, topk_group, correction_bias, routed_scaling_factor
-    )
-    return fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map), topk_weights, topk_ids

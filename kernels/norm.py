@@ -1,10 +1,8 @@
-"""RMSNorm, with the optional fused residual add that decoder layers use; and the reference of a
-norm fused with the linear layer after it (``rms_norm_and_linear``)."""
+"""RMSNorm, with the optional fused residual add that decoder layers use."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flotilla.kernels.registry import register
 
@@ -38,24 +36,3 @@ def rms_norm(
     if residual is not None:
         return y, new_residual
     return y
-
-
-@register("rms_norm_and_linear", "torch")
-def rms_norm_and_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A norm and the linear layer that reads its output, both outputs kept:
-    ``(linear(normed), new_residual, normed)`` where ``normed, new_residual = rms_norm(x,
-    norm_weight, eps, residual)`` (without ``residual``: ``new_residual`` is ``x``). The
-    reference of the fused kernels that run it in one launch (the ``triton`` backend: one-row
-    inputs only, None for others)."""
-    if residual is None:
-        normed, new_residual = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, new_residual = rms_norm(x, norm_weight, eps, residual)
-    return F.linear(normed, weight, bias), new_residual, normed

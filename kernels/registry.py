@@ -27,7 +27,6 @@ _BACKEND_MODULES = {
     "triton": (
         "flotilla.kernels.triton_moe",
         "flotilla.kernels.triton_routing",
-        "flotilla.kernels.triton_select_route",
         "flotilla.kernels.triton_fp8",
         "flotilla.kernels.triton_gemv",
         "flotilla.kernels.triton_qkv",

@@ -13,8 +13,7 @@ bf16, one row, CUDA-graph replays, weights rotated past the L2 cache): q/k/v 14.
 on these), gate/up 57.2 vs 55.9 us; at 2 and 4 rows cuBLAS wins. So the ``triton``
 ``linear`` backend (:func:`decode_linear`) takes one-row inputs and hands every other
 shape to ``F.linear``. :func:`rms_norm_gemv` is the same stream with the RMSNorm before it
-folded in (``rms_norm_linear``); :func:`rms_norm_gemv_keep_normed` also writes the normalized
-row (``rms_norm_and_linear``: the MoE router, whose input the experts read too).
+folded in (``rms_norm_linear``).
 
 On SM90+ every kernel here is launched as a programmatic dependent (:mod:`.triton_pdl`): it reads its
 first weight tile, lets the next kernel launch, then waits for the kernel before it (whose
@@ -113,26 +112,10 @@ def _norm_accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, r_out_ptr, k, K, stor
 
 
 @triton.jit
-def _store_normed(x_ptr, r_ptr, g_ptr, out_ptr, rstd, K, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Write the normalized row ``g * (h * rstd)`` with the torch reference's two roundings to
-    the dtype (``kernels/norm.py``), ``h`` recomputed from the row and residual."""
-    ks = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        h = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        if HAS_RESIDUAL:
-            h = (h.to(tl.float32) + tl.load(r_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(h.dtype)
-        scaled = (h.to(tl.float32) * rstd).to(h.dtype)
-        g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + k, (g * scaled.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=k_ok)
-
-
-@triton.jit
 def _norm_gemv_kernel(
-    x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, normed_ptr, N, K, stride_wn, eps,
+    x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, N, K, stride_wn, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, NORMED_OUT: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One row, one pass over K: y = rstd * sum_k w[n, k] * g[k] * h[k], the sum of squares for
     # rstd gathered in the same loop (each program owns BLOCK_N columns and reads the row from
@@ -164,11 +147,6 @@ def _norm_gemv_kernel(
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
-    if NORMED_OUT:
-        # NOTE: every program knows rstd only after its pass; one program writes the row (K
-        # elements re-read from L2: small against the weight stream).
-        if pid == 0:
-            _store_normed(x_ptr, r_ptr, g_ptr, normed_ptr, rstd, K, BLOCK_K, HAS_RESIDUAL)
 
 
 def gemv_configs(n: int, k: int, m: int) -> list[dict[str, int]]:
@@ -244,30 +222,6 @@ def rms_norm_gemv(
     at the end), so the output differs from the reference by up to about one ulp of the
     row's elements. ``config`` is a launch configuration (default :func:`norm_config`).
     Inputs are not modified."""
-    y, new_residual, _ = _launch_norm_gemv(x, residual, norm_weight, eps, weight, bias, config, keep_normed=False)
-    return y, new_residual
-
-
-def rms_norm_gemv_keep_normed(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`rms_norm_gemv` that also writes the normalized row: ``(y, x + residual,
-    rms_norm(x + residual))``, still one launch. For a projection whose input another consumer
-    reads too (the MoE router: the experts take the normalized row). The normalized row is
-    rounded as the torch reference rounds it (within an ulp where ``rstd`` differs in its last
-    bit); ``y`` is computed as in :func:`rms_norm_gemv`, not from that rounded row."""
-    y, new_residual, normed = _launch_norm_gemv(x, residual, norm_weight, eps, weight, bias, config, keep_normed=True)
-    return y, new_residual, normed
-
-
-def _launch_norm_gemv(x, residual, norm_weight, eps, weight, bias, config, keep_normed: bool):
-    """Check the inputs of the fused norm GEMV and launch it; ``(y, new_residual, normed or None)``."""
     k = x.shape[-1]
     n = weight.shape[0]
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(-1) != 1:
@@ -283,14 +237,13 @@ def _launch_norm_gemv(x, residual, norm_weight, eps, weight, bias, config, keep_
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     new_residual = torch.empty_like(x) if residual is not None else x
-    normed = torch.empty_like(x) if keep_normed else None
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
-        y, new_residual, normed if normed is not None else y, n, k, weight.stride(0), eps,
+        y, new_residual, n, k, weight.stride(0), eps,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        EVEN_K=k % block_k == 0, NORMED_OUT=keep_normed, **cfg, **launch_options(x.device),
+        EVEN_K=k % block_k == 0, **cfg, **launch_options(x.device),
     )  # fmt: skip
-    return y, new_residual, normed
+    return y, new_residual
 
 
 def _one_row(x: torch.Tensor) -> bool:
@@ -325,21 +278,3 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, silu_and_mul) -> 
     """``silu_and_mul(x) @ weight^T`` for a gated MLP's ``x[T, 2K]``: one fused kernel for a
     one-row ``x``, else ``silu_and_mul`` (the elementwise backend's op) then ``F.linear``."""
     return gemv(x, weight, silu_mul=True) if _one_row(x) else F.linear(silu_and_mul(x), weight)
-
-
-@register("rms_norm_and_linear", "triton")
-def rms_norm_and_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """:func:`rms_norm_gemv_keep_normed` for a one-row ``x`` whose weight has ``x``'s dtype (a
-    batch-1 decode step's MoE router); None for any other input, which the caller runs as the
-    norm, then the linear layer. The torch reference is
-    :func:`flotilla.kernels.norm.rms_norm_and_linear`."""
-    if not _one_row(x) or weight.dtype != x.dtype or (residual is not None and residual.stride(-1) != 1):
-        return None
-    return rms_norm_gemv_keep_normed(x, residual, norm_weight, eps, weight, bias)

@@ -4,8 +4,7 @@ Same signature and meaning as the torch reference (:func:`flotilla.kernels.moe.f
 ``w13[E_local, 2I, H]`` (gate rows, then up rows), ``w2[E_local, H, I]``, ``topk_ids[T, k]``
 global ids mapped through ``expert_map`` (``-1``: another rank computes that pair).
 
-How it runs (four launches, three at small batches; no host synchronisation, so it can be
-captured in a CUDA graph):
+How it runs (four launches, no host synchronisation, so it can be captured in a CUDA graph):
 
 1. ``_route_kernel`` (one program, :func:`flotilla.kernels.triton_routing.route`): zeroes the
    per-expert counters, then each (token, k) pair ("route") gets its local expert and its
@@ -18,16 +17,6 @@ captured in a CUDA graph):
 3. ``_down_kernel``: ``inter`` times the expert's down projection, scaled by each route's
    routing weight, written per route into ``routed[T*k, H]`` (float32).
 4. ``_sum_routes_kernel``: ``out[t] = sum_j routed[t*k + j]`` over the routes computed here.
-   At small batches (:func:`folds_sum`: at most ``FOLD_SUM_MAX_ROUTES`` routes) the down kernel
-   does this itself instead: every program of a column tile counts in on a counter the routing
-   kernel zeroed, and the last one sums the tile for every token, in the same order (the
-   result is bit-identical), so the down projection keeps its grid and tiles and reads its
-   weights as before, and a launch goes. A batch-1 token's eight routes sit in eight row
-   blocks (one expert each), so no single program holds them all; the last-arriver is what
-   folds the sum without atomics on the output or a second pass over the weights.
-
-:mod:`flotilla.kernels.triton_select_route` runs step 1 together with ``select_experts`` in one
-launch at small batches (op ``fused_moe_from_logits``) and then :func:`run_experts`.
 
 Buffers are sized from host integers only (``T*k + min(E, T*k) * (BLOCK_M - 1)`` rows, the
 most that padding can need), so the launch grid is fixed for a given batch size; blocks past
@@ -58,7 +47,7 @@ from flotilla.kernels.registry import register
 from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
 # NOTE: importing triton_routing also registers ("select_experts", "triton").
-from flotilla.kernels.triton_routing import Routing, route
+from flotilla.kernels.triton_routing import route
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -90,12 +79,6 @@ CONFIGS: list[tuple[int, MoEConfig]] = [
     (96, MoEConfig(64, 64, 64, 4, 4, 128, 64, 4, 4)),
     (1 << 62, MoEConfig(128, 64, 64, 8, 3, 128, 64, 8, 3)),
 ]
-
-
-# A call with at most this many (token, expert) routes (padded to powers of two) has its down
-# kernel sum each token's routes (_sum_tile_if_last) instead of a separate route-sum launch;
-# 0 turns that off.
-FOLD_SUM_MAX_ROUTES = 64
 
 
 def pick_config(num_routes: int, num_local_experts: int) -> MoEConfig:
@@ -201,41 +184,37 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_route_ptr, block_expert_ptr, num_routes, H, I, stride_am,
-    stride_we, stride_wn, stride_wk, stride_om, scale_ptr, stride_se, stride_sn, stride_sk, sum_ptr,
-    route_expert_ptr, tile_count_ptr, num_tokens, top_k, stride_st,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-    FOLD_SUM: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    sorted_route_ptr,
+    block_expert_ptr,
+    num_routes,
+    H,
+    I,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    scale_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_FP8: tl.constexpr,
+    PDL: tl.constexpr,
+):
     start_dependent(PDL)  # NOTE: first: the routing comes from the kernel before
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
-    if FOLD_SUM:
-        # Every program of a column tile counts in, row block held here or not; the last one
-        # sums the tile's routes per token (see _sum_tile_if_last).
-        if expert >= 0:
-            _down_block(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_route_ptr, expert, pid_m, pid_n, num_routes,
-                        H, I, stride_am, stride_we, stride_wn, stride_wk, stride_om, scale_ptr, stride_se, stride_sn,
-                        stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_FP8)  # fmt: skip
-        _sum_tile_if_last(out_ptr, route_expert_ptr, sum_ptr, tile_count_ptr, pid_n, tl.num_programs(0), num_tokens,
-                          top_k, H, stride_om, stride_st, BLOCK_N, T_PAD, K_PAD)  # fmt: skip
-    else:
-        if expert < 0:
-            return
-        _down_block(a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_route_ptr, expert, pid_m, pid_n, num_routes,
-                    H, I, stride_am, stride_we, stride_wn, stride_wk, stride_om, scale_ptr, stride_se, stride_sn,
-                    stride_sk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_FP8)  # fmt: skip
-
-
-@triton.jit
-def _down_block(
-    a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_route_ptr, expert, pid_m, pid_n, num_routes, H, I, stride_am,
-    stride_we, stride_wn, stride_wk, stride_om, scale_ptr, stride_se, stride_sn, stride_sk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-):  # fmt: skip
-    """One (row block, column tile) of the down projection: ``inter`` rows times the block's
-    expert's ``w2`` columns, scaled by each route's weight, stored per route (float32)."""
+    if expert < 0:
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     route = tl.load(sorted_route_ptr + rows)
     row_ok = route < num_routes
@@ -272,40 +251,6 @@ def _down_block(
 
 
 @triton.jit
-def _sum_tile_if_last(
-    routed_ptr, route_expert_ptr, sum_ptr, tile_count_ptr, pid_n, num_blocks, num_tokens, top_k, H, stride_rm,
-    stride_st, BLOCK_N: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
-):  # fmt: skip
-    """Count this program in for its column tile; the tile's last program writes
-    ``sum[t, cols] = sum_j routed[t*k + j, cols]`` over the routes held here (what
-    ``_sum_routes_kernel`` computes, in the same order), rounded to the output dtype."""
-    # NOTE: the barrier orders every thread's `routed` stores before the counter's release (one
-    # thread runs the scalar acq_rel atomic; release is cumulative over what the CTA ordered
-    # before it). The program that takes the last count acquires every other program's
-    # stores; its loads are volatile so that no stale L1 line is read.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(tile_count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_blocks - 1:
-        t = tl.arange(0, T_PAD)[:, None]
-        j = tl.arange(0, K_PAD)[None, :]
-        route = t * top_k + j
-        in_range = (t < num_tokens) & (j < top_k)
-        held = tl.load(route_expert_ptr + route, mask=in_range, other=-1) >= 0
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < H
-        ptrs = routed_ptr + route[:, :, None].to(tl.int64) * stride_rm + offs_n[None, None, :]
-        parts = tl.load(ptrs, mask=held[:, :, None] & n_ok[None, None, :], other=0.0, volatile=True)
-        # NOTE: route by route (the sum of one part and zeros is exact), so the result is
-        # bit-identical to _sum_routes_kernel's sequential sum.
-        total = tl.zeros([T_PAD, BLOCK_N], dtype=tl.float32)
-        for jj in tl.static_range(K_PAD):
-            total += tl.sum(tl.where(j[:, :, None] == jj, parts, 0.0), axis=1)
-        rows = tl.arange(0, T_PAD)
-        out = sum_ptr + rows[:, None].to(tl.int64) * stride_st + offs_n[None, :]
-        tl.store(out, total.to(sum_ptr.dtype.element_ty), mask=(rows < num_tokens)[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def _sum_routes_kernel(
     routed_ptr, route_expert_ptr, out_ptr, top_k, H, stride_rm, stride_ot, BLOCK_H: tl.constexpr, PDL: tl.constexpr
 ):
@@ -324,9 +269,7 @@ def _sum_routes_kernel(
 # --------------------------------------------------------------------------- host side
 
 
-def check_experts(hidden, w13, w2, activation, expert_map, w_fp8=False) -> None:
-    """ValueError naming the argument unless ``hidden``, the expert weights, ``activation`` and
-    ``expert_map`` are what the kernels take (CUDA, half precision or FP8 weights, fitting shapes)."""
+def _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8=False) -> None:
     if activation not in _ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got activation={activation!r}")
     if hidden.dtype not in (torch.bfloat16, torch.float16):
@@ -346,17 +289,13 @@ def check_experts(hidden, w13, w2, activation, expert_map, w_fp8=False) -> None:
             f"shapes do not fit: hidden={tuple(hidden.shape)}, w13={tuple(w13.shape)} (want [E, 2I, H]), "
             f"w2={tuple(w2.shape)} (want [E, H, I])"
         )
-    if expert_map is not None and expert_map.dim() != 1:
-        raise ValueError(f"expert_map must be 1-D [E_global], got shape {tuple(expert_map.shape)}")
-
-
-def _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8=False) -> None:
-    check_experts(hidden, w13, w2, activation, expert_map, w_fp8)
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
         raise ValueError(
             f"topk_ids={tuple(topk_ids.shape)} and topk_weights={tuple(topk_weights.shape)} must both be [T, k] "
             f"with T={hidden.shape[0]}"
         )
+    if expert_map is not None and expert_map.dim() != 1:
+        raise ValueError(f"expert_map must be 1-D [E_global], got shape {tuple(expert_map.shape)}")
 
 
 @register("fused_moe", "triton")
@@ -388,98 +327,95 @@ def fused_moe_with_config(
     config: MoEConfig | None = None,
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
-    fold_sum: bool | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe` with the tiles given by ``config`` (None: :func:`pick_config`), for tuning.
 
     With ``w13_scale_inv``/``w2_scale_inv`` the weights are block-quantized float8 (see
-    :func:`~flotilla.kernels.triton_fp8.fp8_grouped_moe`). ``fold_sum``: whether the down
-    kernel sums each token's routes itself (None: :func:`folds_sum`)."""
+    :func:`~flotilla.kernels.triton_fp8.fp8_grouped_moe`)."""
     w_fp8 = w13_scale_inv is not None
     _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8)
     num_tokens, top_k = topk_ids.shape
-    if num_tokens == 0:
-        return torch.empty_like(hidden)
-    num_local, _, h = w13.shape
-    cfg = config or pick_config(num_tokens * top_k, num_local)
-    fold = folds_sum(num_tokens, top_k) if fold_sum is None else fold_sum
-    routing = route(topk_ids, num_local, expert_map, cfg.block_m, num_tiles=down_tiles(h, cfg) if fold else 0)
-    return run_experts(hidden, w13, w2, topk_weights, routing, top_k, activation, cfg, w13_scale_inv, w2_scale_inv)
-
-
-def folds_sum(num_tokens: int, top_k: int) -> bool:
-    """Whether the down kernel sums each token's routes itself (no route-sum launch): when the
-    call's routes, padded to ``[next_pow2(T), next_pow2(k)]``, number at most
-    :data:`FOLD_SUM_MAX_ROUTES` (the last program of each column tile loads them all at once)."""
-    return triton.next_power_of_2(num_tokens) * triton.next_power_of_2(top_k) <= FOLD_SUM_MAX_ROUTES
-
-
-def down_tiles(hidden_size: int, config: MoEConfig) -> int:
-    """Column tiles of the down kernel's grid (the counters a folded route sum needs)."""
-    return triton.cdiv(hidden_size, config.block_n_2)
-
-
-def run_experts(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    routing: Routing,
-    top_k: int,
-    activation: str,
-    cfg: MoEConfig,
-    w13_scale_inv: torch.Tensor | None = None,
-    w2_scale_inv: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The expert kernels over a call's ``routing`` (from :func:`~flotilla.kernels.triton_routing.route`
-    or :func:`~flotilla.kernels.triton_select_route.select_and_route` with ``cfg.block_m``):
-    gate/up, down, and the route sum unless ``routing.tile_counts`` asks the down kernel to
-    fold it. Inputs as :func:`fused_moe_with_config` checks them; ``hidden`` non-empty."""
-    w_fp8 = w13_scale_inv is not None
-    num_tokens = hidden.shape[0]
     num_local, two_i, h = w13.shape
     inter_size = two_i // 2
     out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
     hidden = hidden.contiguous()
     num_routes = num_tokens * top_k
+    cfg = config or pick_config(num_routes, num_local)
     if w_fp8 and (128 % cfg.block_n_1 or 128 % cfg.block_k_1 or 128 % cfg.block_n_2 or 128 % cfg.block_k_2):
         raise ValueError(f"FP8 experts need tiles dividing 128, got {cfg}")
-    if routing.block_m != cfg.block_m:
-        raise ValueError(f"routing made for block_m={routing.block_m}, config has block_m={cfg.block_m}")
     s13 = w13_scale_inv.float().contiguous() if w_fp8 else w13  # unused pointer when not FP8
     s2 = w2_scale_inv.float().contiguous() if w_fp8 else w2
+    routing = route(topk_ids, num_local, expert_map, cfg.block_m)
     max_rows = routing.sorted_route.shape[0]
     max_blocks = routing.block_expert.shape[0]
-    pdl = launch_options(hidden.device)
 
     inter = torch.empty(max_rows, inter_size, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(max_blocks, triton.cdiv(inter_size, cfg.block_n_1))](
-        hidden, w13, inter, routing.sorted_route, routing.block_expert, num_routes, top_k, h, inter_size,
-        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        s13, s13.stride(0), s13.stride(-2), s13.stride(-1),
-        ACTIVATION=_ACTIVATION_CODES[activation], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_1, BLOCK_K=cfg.block_k_1,
-        EVEN_K=h % cfg.block_k_1 == 0, W_FP8=w_fp8, num_warps=cfg.warps_1, num_stages=cfg.stages_1, **pdl,
-    )  # fmt: skip
+        hidden,
+        w13,
+        inter,
+        routing.sorted_route,
+        routing.block_expert,
+        num_routes,
+        top_k,
+        h,
+        inter_size,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        inter.stride(0),
+        s13,
+        s13.stride(0),
+        s13.stride(-2),
+        s13.stride(-1),
+        ACTIVATION=_ACTIVATION_CODES[activation],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n_1,
+        BLOCK_K=cfg.block_k_1,
+        EVEN_K=h % cfg.block_k_1 == 0,
+        W_FP8=w_fp8,
+        num_warps=cfg.warps_1,
+        num_stages=cfg.stages_1,
+        **launch_options(hidden.device),
+    )
 
-    fold = routing.tile_counts is not None
-    if fold and routing.tile_counts.shape[0] != down_tiles(h, cfg):
-        raise ValueError(f"routing has {routing.tile_counts.shape[0]} tile counters, the down kernel {down_tiles(h, cfg)} tiles")
     routed = torch.empty(num_routes, h, dtype=torch.float32, device=hidden.device)
-    _down_kernel[(max_blocks, down_tiles(h, cfg))](
-        inter, w2, routed, topk_weights.reshape(-1), routing.sorted_route, routing.block_expert, num_routes, h,
-        inter_size, inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), routed.stride(0),
-        s2, s2.stride(0), s2.stride(-2), s2.stride(-1),
-        # the folded route sum's output and counters (unused pointers without the fold)
-        out, routing.route_expert, routing.tile_counts if fold else routing.block_expert, num_tokens, top_k,
-        out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_2, BLOCK_K=cfg.block_k_2, EVEN_K=inter_size % cfg.block_k_2 == 0,
-        W_FP8=w_fp8, FOLD_SUM=fold, T_PAD=triton.next_power_of_2(num_tokens) if fold else 1,
-        K_PAD=triton.next_power_of_2(top_k) if fold else 1, num_warps=cfg.warps_2, num_stages=cfg.stages_2, **pdl,
-    )  # fmt: skip
-    if not fold:
-        block_h = min(1024, triton.next_power_of_2(h))
-        _sum_routes_kernel[(num_tokens, triton.cdiv(h, block_h))](
-            routed, routing.route_expert, out, top_k, h, routed.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4,
-            **pdl,
-        )
+    weights = topk_weights.reshape(-1)
+    _down_kernel[(max_blocks, triton.cdiv(h, cfg.block_n_2))](
+        inter,
+        w2,
+        routed,
+        weights,
+        routing.sorted_route,
+        routing.block_expert,
+        num_routes,
+        h,
+        inter_size,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        routed.stride(0),
+        s2,
+        s2.stride(0),
+        s2.stride(-2),
+        s2.stride(-1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n_2,
+        BLOCK_K=cfg.block_k_2,
+        EVEN_K=inter_size % cfg.block_k_2 == 0,
+        W_FP8=w_fp8,
+        num_warps=cfg.warps_2,
+        num_stages=cfg.stages_2,
+        **launch_options(hidden.device),
+    )
+
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_routes_kernel[(num_tokens, triton.cdiv(h, block_h))](
+        routed, routing.route_expert, out, top_k, h, routed.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=4,
+        **launch_options(hidden.device),
+    )
     return out

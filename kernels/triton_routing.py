@@ -9,10 +9,7 @@
   are delegated to the torch reference inside the same function, so one backend name
   serves every model.
 - :func:`route` (used by :mod:`flotilla.kernels.triton_moe`): one launch that sorts a
-  call's (token, k) pairs by local expert into ``BLOCK_M``-padded segments (and zeroes the
-  down kernel's tile counters when it folds the route sum).
-
-Small batches do both in one launch: :mod:`flotilla.kernels.triton_select_route`.
+  call's (token, k) pairs by local expert into ``BLOCK_M``-padded segments.
 
 Ties: among equal scores the lowest expert id is taken first, which is the set CUDA
 ``torch.topk`` keeps (its ``gatherTopK`` fills the last places with the first-seen values
@@ -206,14 +203,6 @@ def select_experts(
 
 
 @triton.jit
-def zero_tile_counts(tile_count_ptr, num_tiles, CHUNK: tl.constexpr):
-    """Zero ``num_tiles`` int32 counters (the routing kernels' phase 0; see :class:`Routing`)."""
-    offs = tl.arange(0, CHUNK)
-    for t0 in range(0, num_tiles, CHUNK):
-        tl.store(tile_count_ptr + t0 + offs, tl.zeros([CHUNK], dtype=tl.int32), mask=t0 + offs < num_tiles)
-
-
-@triton.jit
 def _route_kernel(
     topk_ids_ptr,
     expert_map_ptr,
@@ -223,12 +212,10 @@ def _route_kernel(
     route_expert_ptr,
     sorted_route_ptr,
     block_expert_ptr,
-    tile_count_ptr,
     num_routes,
     num_local,
     max_rows,
     max_blocks,
-    num_tiles,
     HAS_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -240,10 +227,8 @@ def _route_kernel(
     offs = tl.arange(0, CHUNK)
     e_offs = tl.arange(0, E_PAD)
     e_ok = e_offs < num_local
-    # Phase 0: zero the per-expert counters here rather than in a separate memset launch,
-    # and the down kernel's column-tile counters when it sums the routes itself.
+    # Phase 0: zero the per-expert counters here rather than in a separate memset launch.
     tl.store(counts_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32), mask=e_ok)
-    zero_tile_counts(tile_count_ptr, num_tiles, CHUNK)
     tl.debug_barrier()
     # Phase 1: each route's local expert (-1 when not held here) and its rank in that expert.
     for start in range(0, num_routes, CHUNK):
@@ -298,38 +283,25 @@ class Routing:
     block_expert: torch.Tensor  # [max_blocks] int32: local expert of each row block, -1 = none
     route_expert: torch.Tensor  # [num_routes] int32: local expert of each route, -1 = not here
     block_m: int
-    # [num_tiles] int32, zeroed by the routing kernel: one counter per column tile of the down
-    # kernel when it sums each token's routes itself (None: the separate route-sum kernel runs).
-    tile_counts: torch.Tensor | None = None
 
 
-def routing_rows(num_routes: int, num_local: int, block_m: int) -> tuple[int, int]:
-    """``(max_rows, max_blocks)`` of a call's sorted rows: ``T*k + min(E, T*k) * (block_m - 1)``
-    rows, the most that padding can need, in ``block_m`` blocks (host integers only)."""
-    max_rows = num_routes + min(num_local, num_routes) * (block_m - 1)
-    return max_rows, triton.cdiv(max_rows, block_m)
-
-
-def route(
-    topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None, block_m: int, num_tiles: int = 0
-) -> Routing:
+def route(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None, block_m: int) -> Routing:
     """Sort ``topk_ids[T, k]``'s routes (global ids, mapped through ``expert_map`` when given)
-    by local expert into ``block_m``-padded segments; one launch. ``num_tiles > 0`` also
-    allocates and zeroes :attr:`Routing.tile_counts`.
+    by local expert into ``block_m``-padded segments; one launch.
 
-    Buffers are sized from host integers only (:func:`routing_rows`), so the shapes are fixed
-    for a given batch size.
+    Buffers are sized from host integers only (``T*k + min(E, T*k) * (block_m - 1)`` rows,
+    the most that padding can need), so the shapes are fixed for a given batch size.
     """
     num_routes = topk_ids.numel()
     device = topk_ids.device
-    max_rows, max_blocks = routing_rows(num_routes, num_local, block_m)
+    max_rows = num_routes + min(num_local, num_routes) * (block_m - 1)
+    max_blocks = triton.cdiv(max_rows, block_m)
     counts = torch.empty(num_local, dtype=torch.int32, device=device)  # zeroed by the kernel
     starts = torch.empty(num_local, dtype=torch.int32, device=device)
     route_rank = torch.empty(num_routes, dtype=torch.int32, device=device)
     route_expert = torch.empty(num_routes, dtype=torch.int32, device=device)
     sorted_route = torch.empty(max_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    tile_counts = torch.empty(max(1, num_tiles), dtype=torch.int32, device=device)  # zeroed by the kernel
     e_pad = triton.next_power_of_2(num_local + 1)
     ids = topk_ids.reshape(-1)
     _route_kernel[(1,)](
@@ -341,12 +313,10 @@ def route(
         route_expert,
         sorted_route,
         block_expert,
-        tile_counts,
         num_routes,
         num_local,
         max_rows,
         max_blocks,
-        num_tiles,
         HAS_MAP=expert_map is not None,
         BLOCK_M=block_m,
         CHUNK=_ROUTE_CHUNK,
@@ -355,4 +325,4 @@ def route(
         num_warps=8,
         **launch_options(device),
     )
-    return Routing(sorted_route, block_expert, route_expert, block_m, tile_counts if num_tiles else None)
+    return Routing(sorted_route, block_expert, route_expert, block_m)

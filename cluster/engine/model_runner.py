@@ -155,7 +155,6 @@ class ModelRunner:
                 registry.get("linear", self.backends.linear),
                 silu_and_mul_linear=registry.get("silu_and_mul_linear", self.backends.linear),
                 rms_norm_linear=registry.get("rms_norm_linear", self.backends.linear),
-                rms_norm_and_linear=registry.get("rms_norm_and_linear", self.backends.linear),
             )
         self.load_recorder = self._make_load_recorder(config)
         self.vocab_size = int(source.config_dict["vocab_size"])

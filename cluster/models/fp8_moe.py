@@ -30,7 +30,6 @@ class Fp8FusedMoE(FusedMoE):
     multiple of 128, so gate and up rows and the MoE-TP slices cut on scale blocks."""
 
     experts_op = "fp8_grouped_moe"
-    from_logits_op = None  # NOTE: op fused_moe_from_logits runs half-precision experts only
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *, prefix: str, **kwargs):
         self.prefix = prefix

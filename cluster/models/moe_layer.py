@@ -39,7 +39,7 @@ from torch import nn
 from flotilla.cluster.eplb import ExpertPlacement, trivial_placement
 from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.layers import default_weight_loader
-from flotilla.cluster.models.moe_dispatch import LocalDispatch, make_dispatcher
+from flotilla.cluster.models.moe_dispatch import make_dispatcher
 from flotilla.kernels import registry
 
 # Checkpoint spellings of each expert's three matrices: HF Qwen/DeepSeek names and Mixtral's.
@@ -119,9 +119,6 @@ class FusedMoE(nn.Module):
     load_layer_index = 0
     # The kernel op of the experts (the block-FP8 subclass: fp8_grouped_moe).
     experts_op = "fused_moe"
-    # The op that routes and runs the experts in one call, from the router logits (a CUDA
-    # backend's takes fewer launches at decode batch sizes); None: routing and experts apart.
-    from_logits_op: str | None = "fused_moe_from_logits"
 
     def __init__(
         self,
@@ -170,7 +167,6 @@ class FusedMoE(nn.Module):
         self._experts = registry.get(self.experts_op, backend)
         select_backend = backend if backend in registry.backends("select_experts") else "torch"
         self._select = registry.get("select_experts", select_backend)
-        self._from_logits = _optional_op(self.from_logits_op, backend)
         self.dispatcher = make_dispatcher(parallel)
         self.set_placement(
             placement or trivial_placement(num_experts, parallel.ep_size, num_redundant_experts)
@@ -324,34 +320,11 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """``hidden[T, H]``, ``router_logits[T, E]`` -> ``[T, H]``, complete (summed over every
         expert and every MoE-TP slice). ``T`` may be 0 (an idle DP-attention rank), and every
-        rank of the engine group must call it, since it may run collectives.
-
-        On one rank with one copy of each expert (no exchange, slot = logical id), routing and
-        experts run as one op (``from_logits_op``), which the Triton backend does in fewer
-        launches at decode batch sizes."""
-        if self._from_logits is not None and self.identity_slots and isinstance(self.dispatcher, LocalDispatch):
-            out, _, ids = self._from_logits(
-                hidden, router_logits, self.w13, self.w2, self.top_k, self.renormalize, scoring=self.scoring,
-                num_expert_group=self.num_expert_group, topk_group=self.topk_group, correction_bias=correction_bias,
-                routed_scaling_factor=self.routed_scaling_factor, activation=self.activation, expert_map=self.expert_map,
-            )  # fmt: skip
-            if self.load_recorder is not None:
-                self.load_recorder.record(self.load_layer_index, ids)
-            return out
+        rank of the engine group must call it, since it may run collectives."""
         weights, ids = self.route(router_logits, correction_bias)
         if self.load_recorder is not None:
             self.load_recorder.record(self.load_layer_index, ids)
         return self.dispatcher(self, hidden, weights, ids)
-
-
-def _optional_op(op: str | None, backend: str):
-    """``backend``'s kernel of ``op``, or None when there is none (or ``op`` is None)."""
-    if op is None:
-        return None
-    try:
-        return registry.get(op, backend)
-    except ValueError:
-        return None
 
 
 # --------------------------------------------------------------------- a model's MoE layers

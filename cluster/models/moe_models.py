@@ -272,10 +272,8 @@ class SparseMoeBlock(nn.Module):
             placement=cfg.expert_placements.get(layer_index),
         )
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """The experts on ``x``, routed by ``router_logits`` when given (a caller that fused the
-        router with the norm before it), else by the router on ``x``."""
-        return self.experts(x, self.gate(x) if router_logits is None else router_logits)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
 
 
 class DecoderLayer(nn.Module):
@@ -291,8 +289,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, cfg.dtype, cfg.elementwise_backend)
         # The input norm fused into the q/k/v projection (GQA layers; use_linear_op sets it).
         self.rms_norm_linear = None
-        # The post-attention norm fused into the MoE router (sparse layers; use_linear_op sets it).
-        self.rms_norm_and_linear = None
 
     def forward(self, positions, x, residual, kv_cache, meta):
         fused = None
@@ -310,18 +306,6 @@ class DecoderLayer(nn.Module):
             else:
                 x, residual = self.input_layernorm(x, residual)
             x = self.self_attn(positions, x, kv_cache, meta)
-        return self._mlp(x, residual)
-
-    def _mlp(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post-attention norm and the MLP: ``(mlp(norm(x + residual)), x + residual)``. A
-        sparse layer's norm runs fused with its router when the op takes the input (one row),
-        handing the experts the normalized row and the router logits at once."""
-        if self.rms_norm_and_linear is not None and isinstance(self.mlp, SparseMoeBlock):
-            norm = self.post_attention_layernorm
-            fused = self.rms_norm_and_linear(x, residual, norm.weight, norm.eps, self.mlp.gate.weight)
-            if fused is not None:
-                router_logits, residual, normed = fused
-                return self.mlp(normed, router_logits), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -1,6 +1,5 @@
 """The model plumbing of the fused decode ops (``use_linear_op``: a linear kernel, the norm
-fused into the projection after it, the activation fused into the down projection, the MoE
-post-attention norm fused into the router), on the CPU.
+fused into the projection after it, the activation fused into the down projection), on the CPU.
 
 The CUDA kernels behind these ops (``kernels/triton_gemv.py``) are tested on a GPU
 (tests/gpu/test_triton_gemv.py). Here the same contracts are implemented with the torch
@@ -20,7 +19,7 @@ from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.models.layers import use_linear_op
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.kernels.activation import silu_and_mul
-from flotilla.kernels.norm import rms_norm, rms_norm_and_linear
+from flotilla.kernels.norm import rms_norm
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from helpers.tiny_models import save_tiny_llama
 
@@ -68,10 +67,7 @@ class Calls:
     """Reference implementations of the fused ops' contracts that count their calls."""
 
     def __init__(self):
-        self.counts = {
-            "linear": 0, "rms_norm_linear": 0, "rms_norm_linear_declined": 0, "silu_and_mul_linear": 0,
-            "rms_norm_and_linear": 0, "rms_norm_and_linear_declined": 0,
-        }  # fmt: skip
+        self.counts = {"linear": 0, "rms_norm_linear": 0, "rms_norm_linear_declined": 0, "silu_and_mul_linear": 0}
 
     def linear(self, x, weight, bias=None):
         self.counts["linear"] += 1
@@ -87,13 +83,6 @@ class Calls:
         normed, new_residual = rms_norm(x, norm_weight, eps, residual)
         return F.linear(normed, weight, bias), new_residual
 
-    def rms_norm_and_linear(self, x, residual, norm_weight, eps, weight, bias=None):
-        if x.shape[0] != 1:
-            self.counts["rms_norm_and_linear_declined"] += 1
-            return None
-        self.counts["rms_norm_and_linear"] += 1
-        return rms_norm_and_linear(x, residual, norm_weight, eps, weight, bias)
-
     def silu_and_mul_linear(self, x, weight, act):
         self.counts["silu_and_mul_linear"] += 1
         return F.linear(act(x) if x.shape[0] != 1 else silu_and_mul(x), weight)
@@ -107,7 +96,7 @@ def test_fused_ops_give_the_unfused_tokens(model_path):
     layers = len(engine.runner.model.layers) if case == "qwen3_moe" else len(engine.runner.model.model.layers)
     changed = use_linear_op(
         engine.runner.model, calls.linear, rms_norm_linear=calls.rms_norm_linear,
-        silu_and_mul_linear=calls.silu_and_mul_linear, rms_norm_and_linear=calls.rms_norm_and_linear,
+        silu_and_mul_linear=calls.silu_and_mul_linear,
     )  # fmt: skip
     # Llama: q/k/v, o, gate/up, down per layer. Qwen3-MoE: q/k/v and o, plus gate/up and
     # down of its one dense layer, plus the router of each sparse layer (the experts have
@@ -119,15 +108,11 @@ def test_fused_ops_give_the_unfused_tokens(model_path):
     counts = calls.counts
     decode_steps = sum(PARAMS.max_tokens - 1 for _ in PROMPTS)
     steps = decode_steps + len(PROMPTS)
-    # Llama fuses both norms of a layer into rms_norm_linear; the MoE model its input norms,
-    # and the post-attention norm of each sparse layer into its router (rms_norm_and_linear:
-    # the experts read the normalized row too).
+    # Llama fuses both norms of a layer; the MoE layers only the input norm (the router and
+    # the experts both read the post-attention norm's output).
     fused_norms = 2 if case == "llama" else 1
     assert counts["rms_norm_linear"] == fused_norms * layers * decode_steps, counts
     assert counts["rms_norm_linear_declined"] == layers * len(PROMPTS), counts
     dense_layers = layers if case == "llama" else 1
-    sparse_layers = layers - dense_layers
-    assert counts["rms_norm_and_linear"] == sparse_layers * decode_steps, counts
-    assert counts["rms_norm_and_linear_declined"] == sparse_layers * len(PROMPTS), counts
     assert counts["silu_and_mul_linear"] == dense_layers * steps, counts
     assert counts["linear"] > 0, counts  # o_proj, and every projection of the prefills
