@@ -113,8 +113,10 @@ probes)
     run fused-probe "$py" benchmarks/fused_probe.py --json "$out/fused-probe.json"
     run attention-probe "$py" benchmarks/attention_probe.py --json "$out/attention-probe.json"
     ;;
-tp2)
+tp2)  # needs ray on the box (gpu_env.sh unpacks a site*.tar.xz archive holding a slimmed ray)
     bench latency-llama-3.1-8b-bs1-128-512-tp2 latency --shape llama-3.1-8b --dtype bfloat16 --tp 2 \
+        --batch-size 1 --input-len 128 --output-len 512 --num-iters 3 --warmup-steps 16
+    bench latency-llama-3.1-8b-bs1-128-512-tp1 latency --shape llama-3.1-8b --dtype bfloat16 --tp 1 \
         --batch-size 1 --input-len 128 --output-len 512 --num-iters 3 --warmup-steps 16
     ;;
 *)
