@@ -1,0 +1,137 @@
+"""``--kv-cache-dtype`` on the runner: which dtype the KV cache is allocated in
+(``kv_cache_dtype_for``), what is refused and when, and what a float8 cache changes in the
+runner's KV pool (bytes per token, allocation, the start-up report).
+
+The pool on a CUDA device is sized from free memory over the bytes per token, so halving
+the bytes doubles its tokens; CPU pools are sized in tokens (``DEFAULT_CPU_KV_TOKENS`` or
+``--max-total-tokens``), so here the halving is checked on the bytes (the GPU test
+``tests/gpu/test_fp8_kv_cache.py`` checks the doubled pool).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
+from flotilla.cluster.engine.model_runner import ModelRunner
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from helpers.tiny_deepseek import TINY_DEEPSEEK_V2
+from helpers.tiny_models import save_tiny_llama
+from helpers.torch_threads import one_intra_op_thread
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4}
+DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 32}
+
+
+def config(kv_cache_dtype="auto", quantization_param_path=None):
+    return SimpleNamespace(kv_cache_dtype=kv_cache_dtype, quantization_param_path=quantization_param_path)
+
+
+@pytest.mark.parametrize(
+    "name, model_dtype, expected",
+    [
+        ("auto", torch.bfloat16, torch.bfloat16),
+        ("auto", torch.float32, torch.float32),
+        (None, torch.float16, torch.float16),
+        ("bfloat16", torch.float32, torch.bfloat16),
+        ("bf16", torch.bfloat16, torch.bfloat16),
+        ("fp8_e4m3", torch.bfloat16, torch.float8_e4m3fn),
+        ("fp8_e5m2", torch.float16, torch.float8_e5m2),
+        ("fp8_e4m3", torch.float32, torch.float8_e4m3fn),
+    ],
+)
+def test_each_supported_value_maps_to_its_dtype(name, model_dtype, expected):
+    assert kv_cache_dtype_for(config(name), model_dtype, LLAMA) == expected
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp4_mx_block16", "fp4_e2m1", "int8"])
+def test_unsupported_values_are_refused_by_name(name):
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{name}' is not supported by flotilla's runtime"):
+        kv_cache_dtype_for(config(name), torch.bfloat16, LLAMA)
+
+
+def test_an_mla_latent_cache_stays_in_the_model_dtype():
+    assert kv_cache_dtype_for(config("auto"), torch.bfloat16, DEEPSEEK) == torch.bfloat16
+    assert kv_cache_dtype_for(config("bfloat16"), torch.bfloat16, DEEPSEEK) == torch.bfloat16
+    for name in ("fp8_e4m3", "fp8_e5m2"):
+        with pytest.raises(ValueError, match=rf"kv_cache_dtype='{name}' is not supported for an MLA model \(DeepseekV2"):
+            kv_cache_dtype_for(config(name), torch.bfloat16, DEEPSEEK)
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' is not supported for an MLA model"):
+        kv_cache_dtype_for(config("bfloat16"), torch.float32, DEEPSEEK)
+
+
+@pytest.mark.parametrize(
+    "quantization_config, named",
+    [
+        ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+        ({"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}, "kv_cache_quant_algo"),
+        ({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}, r"quantization\.kv_cache_quant_algo"),
+    ],
+    ids=["compressed-tensors", "modelopt", "modelopt-nested"],
+)
+def test_checkpoint_kv_scales_are_refused_for_a_float8_cache(quantization_config, named):
+    hf = {**LLAMA, "quantization_config": quantization_config}
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='fp8_e4m3': .*{named}.*scale of 1\.0"):
+        kv_cache_dtype_for(config("fp8_e4m3"), torch.bfloat16, hf)
+    # NOTE: an unquantized cache uses no scales, so the declaration is harmless there.
+    assert kv_cache_dtype_for(config("auto"), torch.bfloat16, hf) == torch.bfloat16
+
+
+def test_a_kv_scales_file_is_refused_for_a_float8_cache():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e5m2' with quantization_param_path='/scales.json'"):
+        kv_cache_dtype_for(config("fp8_e5m2", "/scales.json"), torch.bfloat16, LLAMA)
+    assert kv_cache_dtype_for(config("auto", "/scales.json"), torch.bfloat16, LLAMA) == torch.bfloat16
+
+
+# -- the runner ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-kv8")
+    save_tiny_llama(path)
+    return resolve_model_source(str(path))
+
+
+def runner_for(source, **flags) -> ModelRunner:
+    args = ServerArgs.create(model_path=str(source.path), max_total_tokens=256, **flags)
+    with one_intra_op_thread():
+        return ModelRunner(resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu")), source)
+
+
+def test_a_float8_cache_is_allocated_in_float8_at_half_the_bytes_per_token(tiny_llama):
+    plain = runner_for(tiny_llama, dtype="bfloat16")
+    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        fp8 = runner_for(tiny_llama, dtype="bfloat16", kv_cache_dtype=name)
+        assert {t.dtype for layer in fp8.kv_caches for t in layer} == {dtype}
+        assert [t.shape for layer in fp8.kv_caches for t in layer] == [t.shape for layer in plain.kv_caches for t in layer]
+        # 2 layers x (K, V) x 2 KV heads x head dim 16: 128 elements a token, 2 bytes each in bf16
+        assert (fp8.kv_layout.bytes_per_token, plain.kv_layout.bytes_per_token) == (128, 256)
+        stored = sum(t.nbytes for layer in fp8.kv_caches for t in layer)
+        assert stored * 2 == sum(t.nbytes for layer in plain.kv_caches for t in layer)
+        assert fp8.startup_report()["kv_cache_dtype"] == str(dtype).removeprefix("torch.")
+    assert plain.startup_report()["kv_cache_dtype"] == "bfloat16"
+
+
+def test_an_unsupported_value_fails_before_any_weight_loads(tmp_path):
+    # NOTE: a config.json without weights: had the check come after loading, the error would
+    # be the missing checkpoint instead.
+    hf = {**LLAMA, "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_key_value_heads": 2,
+          "num_hidden_layers": 2, "vocab_size": 256}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    source = resolve_model_source(str(tmp_path))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp4_e2m1' is not supported by flotilla's runtime"):
+        runner_for(source, kv_cache_dtype="fp4_e2m1")
+
+
+def test_an_mla_model_refuses_a_float8_cache_at_start(tmp_path):
+    hf = {**TINY_DEEPSEEK_V2, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    source = resolve_model_source(str(tmp_path))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for an MLA model"):
+        runner_for(source, kv_cache_dtype="fp8_e4m3")
