@@ -11,17 +11,21 @@ the bytes doubles its tokens; CPU pools are sized in tokens (``DEFAULT_CPU_KV_TO
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from flotilla import LLM, SamplingParams
 from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
 from flotilla.cluster.engine.model_runner import ModelRunner
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from helpers.prompts import random_prompts
 from helpers.tiny_deepseek import TINY_DEEPSEEK_V2
 from helpers.tiny_models import save_tiny_llama
+from helpers.tiny_moe import save_tiny_qwen3_moe
 from helpers.torch_threads import one_intra_op_thread
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4}
@@ -91,11 +95,21 @@ def test_a_kv_scales_file_is_refused_for_a_float8_cache():
 # -- the runner ------------------------------------------------------------------------------
 
 
+# (saver, K/V elements a token: layers x (K, V) x KV heads x head dim)
+TINY_MODELS = {
+    "llama": (save_tiny_llama, 2 * 2 * 2 * 16),
+    "qwen3-moe": (save_tiny_qwen3_moe, 3 * 2 * 2 * 16),
+}
+
+
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-kv8")
-    save_tiny_llama(path)
-    return resolve_model_source(str(path))
+def tiny_models(tmp_path_factory):
+    sources = {}
+    for name, (save, _) in TINY_MODELS.items():
+        path = tmp_path_factory.mktemp(f"tiny-{name}-kv8")
+        save(path)
+        sources[name] = resolve_model_source(str(path))
+    return sources
 
 
 def runner_for(source, **flags) -> ModelRunner:
@@ -104,18 +118,36 @@ def runner_for(source, **flags) -> ModelRunner:
         return ModelRunner(resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu")), source)
 
 
-def test_a_float8_cache_is_allocated_in_float8_at_half_the_bytes_per_token(tiny_llama):
-    plain = runner_for(tiny_llama, dtype="bfloat16")
+@pytest.mark.parametrize("model", list(TINY_MODELS))
+def test_a_float8_cache_is_allocated_in_float8_at_half_the_bytes_per_token(tiny_models, model):
+    source, elements = tiny_models[model], TINY_MODELS[model][1]
+    plain = runner_for(source, dtype="bfloat16")
+    assert plain.startup_report()["kv_cache_dtype"] == "bfloat16"
     for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
-        fp8 = runner_for(tiny_llama, dtype="bfloat16", kv_cache_dtype=name)
+        fp8 = runner_for(source, dtype="bfloat16", kv_cache_dtype=name)
         assert {t.dtype for layer in fp8.kv_caches for t in layer} == {dtype}
         assert [t.shape for layer in fp8.kv_caches for t in layer] == [t.shape for layer in plain.kv_caches for t in layer]
-        # 2 layers x (K, V) x 2 KV heads x head dim 16: 128 elements a token, 2 bytes each in bf16
-        assert (fp8.kv_layout.bytes_per_token, plain.kv_layout.bytes_per_token) == (128, 256)
+        assert (fp8.kv_layout.bytes_per_token, plain.kv_layout.bytes_per_token) == (elements, 2 * elements)
         stored = sum(t.nbytes for layer in fp8.kv_caches for t in layer)
         assert stored * 2 == sum(t.nbytes for layer in plain.kv_caches for t in layer)
         assert fp8.startup_report()["kv_cache_dtype"] == str(dtype).removeprefix("torch.")
-    assert plain.startup_report()["kv_cache_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("model", list(TINY_MODELS))
+def test_the_engine_decodes_over_a_float8_cache(tiny_models, model):
+    """Dense and MoE attention layers write and read the float8 cache through the engine
+    (the token agreement with a bf16 cache is ``test_llm_fp8_kv.py``'s)."""
+    llm = LLM(str(tiny_models[model].path), platform=preset("cpu"), kv_cache_dtype="fp8_e4m3", max_total_tokens=256,
+              skip_tokenizer_init=True)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    with one_intra_op_thread():
+        outs = llm.generate(random_prompts((5, 17, 40), 256), params)
+    assert all(t.dtype == torch.float8_e4m3fn for layer in llm.engine.runner.kv_caches for t in layer)
+    for out in outs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 6
+        assert all(math.isfinite(step[t].logprob) for step, t in zip(completion.logprobs, completion.token_ids))
+    assert llm.engine.scheduler.pool.num_used_blocks == 0
 
 
 def test_an_unsupported_value_fails_before_any_weight_loads(tmp_path):
