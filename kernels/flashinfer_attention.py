@@ -23,14 +23,17 @@ workspace (the plan itself). The CUDA-graph wrappers also share one page-index b
 only the size about to be replayed is planned into it.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` ("NHD"), K and V in
-separate tensors of identical strides, in the model's dtype or in float8 (``AttentionShape.kv_dtype``,
-scale 1.0; see :mod:`flotilla.kernels.kv_dtype`). Every plan names the cache's dtype
-(``kv_data_type``) next to the query's. NOTE: flashinfer 0.7.2's FA3 (SM90) prefill kernels take a
-float8 cache only with float8 queries (``flashinfer.utils.is_fa3_backend_supported``), so a
-float8 cache with bf16/fp16 queries prefills on the FA2 kernels, which widen the float8 K/V
-tiles as they load them; decode (CUDA-core or tensor-core, both FA2) takes it as it is. Sliding windows use flashinfer's inclusive
-``window_left = sliding_window - 1``: a query at position p sees keys in
-``[p - sliding_window + 1, p]``, as the torch reference's ``k > p - sliding_window``.
+separate tensors of identical strides, in the model's dtype or in float8
+(``AttentionShape.kv_dtype``, scale 1.0; see :mod:`flotilla.kernels.kv_dtype`). Every plan
+names the cache's dtype (``kv_data_type``) next to the query's. NOTE: flashinfer 0.7.2's FA3
+(SM90) prefill kernels take a float8 cache only with float8 queries
+(``flashinfer.utils.is_fa3_backend_supported``), so a float8 cache with bf16/fp16 queries
+prefills on the FA2 kernels, which widen the float8 K/V tiles as they load them; decode
+(CUDA-core or tensor-core, both FA2) takes it as it is.
+
+Sliding windows use flashinfer's inclusive ``window_left = sliding_window - 1``: a query at
+position p sees keys in ``[p - sliding_window + 1, p]``, as the torch reference's
+``k > p - sliding_window``.
 
 This module imports flashinfer at import time: the kernel registry imports it only when
 the ``flashinfer`` backend is asked for, and turns an ImportError into its clear

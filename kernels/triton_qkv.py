@@ -63,7 +63,8 @@ def _round(x, dtype: tl.constexpr):
 def _fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, MAX: tl.constexpr):
     """``x`` (float32) saturated at ``±MAX`` and rounded to nearest even on the grid of a float8
     format with ``MANT_BITS`` mantissa bits and smallest normal exponent ``MIN_EXP`` (its
-    subnormals share that exponent's step); still float32, exactly representable in the format."""
+    subnormals share that exponent's step); still float32, exactly representable in the format.
+    NaN is not kept (it stores as ``±MAX``; torch's cast keeps it): a NaN key is lost anyway."""
     # NOTE: the sign goes back as a bit (Triton's unary minus is 0 - x, which loses -0.0).
     sign = (x.to(tl.int32, bitcast=True) >> 31) << 31
     a = tl.minimum(tl.abs(x), MAX)
