@@ -268,6 +268,7 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
             "num_blocks": engine.runner.kv_layout.num_blocks,
             "tokens": engine.runner.kv_layout.num_tokens,
             "bytes_per_token_per_rank": engine.runner.kv_layout.bytes_per_token,
+            "dtype": startup_report.get("kv_cache_dtype") if isinstance(startup_report, dict) else None,
         },
         "devices": devices,
         "flotilla": measured,
@@ -372,5 +373,6 @@ def format_summary(results: dict[str, Any]) -> str:
     lines.append(line)
     kernels = results.get("kernel_backends") or {}
     named = ", ".join(f"{k} {v}" for k, v in kernels.items() if isinstance(v, str)) or "-"
-    lines.append(f"kernels: {named}; KV cache {results['kv_cache']['tokens']} tokens")
+    kv = results["kv_cache"]
+    lines.append(f"kernels: {named}; KV cache {kv['tokens']} tokens ({kv.get('dtype') or 'dtype not reported'})")
     return "\n".join(lines)

@@ -29,7 +29,8 @@ quantizes in one byte an element plus a float32 scale per 128x128 block; those t
 at that size, everything else at the engine's element size.
 
 KV bytes read per decode step: the sum over the step's sequences of their context
-length times the cache bytes per token (``KVCacheLayout.bytes_per_token``).
+length times the cache bytes per token (``KVCacheLayout.bytes_per_token``, at the cache's
+own dtype: one byte an element with ``--kv-cache-dtype fp8_e4m3`` or ``fp8_e5m2``).
 
 Under tensor parallelism every figure is the whole model's and the bandwidth is
 ``tp_size`` devices' (replicated tensors, read by every rank, are not counted again).

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from flotilla.kernels.kv_dtype import storage_view, to_cache_dtype
 from flotilla.kernels.registry import register
 
 
@@ -40,9 +41,11 @@ class AttentionShape:
         head_dim_v: value/output head dim (MLA: ``kv_lora_rank``, the latent output).
         scale: the softmax scale the model passes to attention.
         sliding_window: tokens a query sees, itself included (None: the whole context).
-        dtype: activation and KV-cache dtype.
+        dtype: activation dtype (queries, outputs).
         kv_lora_rank: > 0 for multi-head latent attention (DeepSeek MLA).
         qk_rope_head_dim: MLA's rotary key dim (0 otherwise).
+        kv_dtype: the KV cache's storage dtype when it differs from ``dtype`` (a float8
+            cache, see :mod:`flotilla.kernels.kv_dtype`); None: the cache is in ``dtype``.
     """
 
     num_q_heads: int
@@ -54,10 +57,16 @@ class AttentionShape:
     dtype: torch.dtype
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    kv_dtype: torch.dtype | None = None
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache stores: ``kv_dtype``, else ``dtype``."""
+        return self.kv_dtype or self.dtype
 
 
 @dataclass
@@ -116,9 +125,11 @@ class AttentionMetadata:
 
 @register("write_kv", "torch")
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """Store ``values[T, ...]`` at ``slot_mapping`` in ``cache[num_blocks, block_size, ...]``."""
-    flat = cache.view(-1, *cache.shape[2:])
-    flat.index_copy_(0, slot_mapping, values.to(cache.dtype))
+    """Store ``values[T, ...]`` at ``slot_mapping`` in ``cache[num_blocks, block_size, ...]``,
+    converted to the cache's dtype (:func:`~flotilla.kernels.kv_dtype.to_cache_dtype`: a float8
+    cache rounds to nearest even and saturates)."""
+    flat = storage_view(cache).view(-1, *cache.shape[2:])
+    flat.index_copy_(0, slot_mapping, storage_view(to_cache_dtype(values, cache.dtype)))
 
 
 def context_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,17 +146,18 @@ def context_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register("gather_kv", "torch")
 def gather_kv(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's whole context from the paged cache: ``([B, max_seq_len, ...], valid[B, max_seq_len])``.
-    Invalid (padding) positions hold arbitrary values."""
+    """Each sequence's whole context from the paged cache: ``([B, max_seq_len, ...], valid[B, max_seq_len])``,
+    in the cache's dtype. Invalid (padding) positions hold arbitrary values."""
     blocks_needed = -(-meta.max_seq_len // meta.block_size)
+    stored = storage_view(cache)
     if meta.block_tables.shape[1] < blocks_needed:
         slots, valid = context_slots(meta)
-        flat = cache.view(-1, *cache.shape[2:])
-        return flat[slots.masked_fill(~valid, 0)], valid
+        flat = stored.view(-1, *cache.shape[2:])
+        return flat[slots.masked_fill(~valid, 0)].view(cache.dtype), valid
     # NOTE: gathering whole blocks (one index per block, not per token) is several times
     # faster on CPU; the tail past each sequence's length is padding.
     tables = meta.block_tables[:, :blocks_needed]
-    blocks = cache.flatten(1).index_select(0, tables.flatten())  # index_select: ~10x faster than cache[tables]
+    blocks = stored.flatten(1).index_select(0, tables.flatten()).view(cache.dtype)  # ~10x faster than cache[tables]
     context = blocks.view(meta.num_seqs, blocks_needed * meta.block_size, *cache.shape[2:])[:, : meta.max_seq_len]
     positions = torch.arange(meta.max_seq_len, device=meta.seq_lens.device)
     return context, positions.unsqueeze(0) < meta.seq_lens.unsqueeze(1)

@@ -23,9 +23,17 @@ workspace (the plan itself). The CUDA-graph wrappers also share one page-index b
 only the size about to be replayed is planned into it.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` ("NHD"), K and V in
-separate tensors of identical strides. Sliding windows use flashinfer's inclusive
-``window_left = sliding_window - 1``: a query at position p sees keys in
-``[p - sliding_window + 1, p]``, as the torch reference's ``k > p - sliding_window``.
+separate tensors of identical strides, in the model's dtype or in float8
+(``AttentionShape.kv_dtype``, scale 1.0; see :mod:`flotilla.kernels.kv_dtype`). Every plan
+names the cache's dtype (``kv_data_type``) next to the query's. NOTE: flashinfer 0.7.2's FA3
+(SM90) prefill kernels take a float8 cache only with float8 queries
+(``flashinfer.utils.is_fa3_backend_supported``), so a float8 cache with bf16/fp16 queries
+prefills on the FA2 kernels, which widen the float8 K/V tiles as they load them; decode
+(CUDA-core or tensor-core, both FA2) takes it as it is.
+
+Sliding windows use flashinfer's inclusive ``window_left = sliding_window - 1``: a query at
+position p sees keys in ``[p - sliding_window + 1, p]``, as the torch reference's
+``k > p - sliding_window``.
 
 This module imports flashinfer at import time: the kernel registry imports it only when
 the ``flashinfer`` backend is asked for, and turns an ImportError into its clear
@@ -47,6 +55,7 @@ except Exception as exc:  # NOTE: CUDA library failures surface as OSError/Runti
     raise ImportError(f"flashinfer cannot be imported: {exc!r}") from exc
 
 from flotilla.kernels.attention import AttentionMetadata, AttentionShape, StepLayout, step_layout, write_kv
+from flotilla.kernels.kv_dtype import FP8_KV_DTYPES, is_fp8
 from flotilla.kernels.registry import register
 
 # Float workspace per planner: split-KV partial outputs of the largest decode/prefill plans
@@ -140,7 +149,10 @@ class FlashInferAttentionPlanner:
         self.window_left = -1 if shape.sliding_window is None else shape.sliding_window - 1
         self.use_tensor_cores = shape.num_q_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
         fa3 = is_sm90a_supported(self.device) and is_fa3_prefill_head_dim_supported(shape.head_dim, shape.head_dim_v)
-        self.prefill_backend = "fa3" if fa3 else "auto"
+        if is_fp8(shape.cache_dtype):
+            self.prefill_backend = "fa2"  # NOTE: FA3 takes a float8 cache only with float8 queries
+        else:
+            self.prefill_backend = "fa3" if fa3 else "auto"
         # NOTE: flashinfer requires the float workspace zeroed before its first use.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_backend)
@@ -189,7 +201,7 @@ class FlashInferAttentionPlanner:
 
     def _plan(self, meta: AttentionMetadata, graph_batch_size: int | None) -> None:
         shape = self.shape
-        common = dict(q_data_type=shape.dtype, kv_data_type=shape.dtype, o_data_type=shape.dtype)
+        common = dict(q_data_type=shape.dtype, kv_data_type=shape.cache_dtype, o_data_type=shape.dtype)
         if graph_batch_size is not None:
             wrapper = self._graph_decode.get(graph_batch_size)
             if wrapper is None:
@@ -254,6 +266,11 @@ def _check_shape(shape: AttentionShape) -> None:
         raise ValueError("FlashInferAttentionPlanner plans MHA/GQA; an MLA shape (kv_lora_rank > 0) needs FlashInferMLAPlanner")
     if shape.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"flashinfer attention runs bfloat16/float16, got dtype={shape.dtype}; use the torch backend")
+    if shape.cache_dtype != shape.dtype and shape.cache_dtype not in FP8_KV_DTYPES:
+        raise ValueError(
+            f"flashinfer attention reads a KV cache in the model's dtype ({shape.dtype}) or in float8 "
+            f"{FP8_KV_DTYPES}, got kv_dtype={shape.kv_dtype}; use --kv-cache-dtype auto"
+        )
     if shape.num_kv_heads < 1 or shape.num_q_heads % shape.num_kv_heads:
         raise ValueError(f"num_q_heads={shape.num_q_heads} must be a multiple of num_kv_heads={shape.num_kv_heads}")
     if shape.head_dim != shape.head_dim_v or shape.head_dim not in SUPPORTED_HEAD_DIMS:

@@ -162,6 +162,11 @@ def _check_mla_shape(shape: AttentionShape, backend: str) -> None:
         raise ValueError("FlashInferMLAPlanner plans MLA shapes (kv_lora_rank > 0)")
     if shape.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"flashinfer MLA runs bfloat16/float16, got dtype={shape.dtype}; use the torch backend")
+    if shape.cache_dtype != shape.dtype:
+        raise ValueError(
+            f"flashinfer MLA keeps its latent cache in the model's dtype ({shape.dtype}), got kv_dtype={shape.kv_dtype}; "
+            "use --kv-cache-dtype auto"
+        )
     if shape.num_kv_heads != 1 or shape.head_dim != rank + rope or shape.head_dim_v != rank:
         raise ValueError(
             f"an MLA AttentionShape has num_kv_heads=1, head_dim=kv_lora_rank+qk_rope_head_dim={rank + rope}, "

@@ -20,12 +20,21 @@ So without q/k norm the outputs are bit-identical to the references; with it, on
 can differ (the sum of squares is reduced in another order), by a float32 ulp or so, which
 flips the rounding of a normalised element by at most one ulp now and then.
 
+A float8 cache (``float8_e4m3fn`` / ``float8_e5m2``, scale 1.0, see
+:mod:`flotilla.kernels.kv_dtype`) gets K and V as the reference's ``write_kv`` stores them:
+the model-dtype value saturated at the format's largest value and rounded to nearest even.
+The rounding is done in float32 on the float8 grid (:func:`_fp8_grid`, exact), so the final
+conversion only re-encodes a representable value: this does not lean on the conversion
+instruction's rounding, and Triton's interpreter (whose float8 conversion mis-rounds where
+the mantissa carries into the exponent) stores the same bytes as the GPU.
+
 Importing this module imports Triton: the registry imports it only when the ``triton``
 backend is asked for.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -36,6 +45,10 @@ from flotilla.kernels.registry import register
 from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The magic number that rounds a float32 below 2**22 in magnitude to an integer, ties to even:
+# (y + 1.5 * 2**23) - 1.5 * 2**23 (float32 arithmetic; nothing here may reassociate it).
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 # NOTE: Triton's interpreter runs the kernel on CPU tensors (used to check it without a GPU).
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -44,6 +57,34 @@ _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 def _round(x, dtype: tl.constexpr):
     """``x`` (float32) rounded to ``dtype`` and widened back: one rounding of the reference."""
     return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, MAX: tl.constexpr):
+    """``x`` (float32) saturated at ``±MAX`` and rounded to nearest even on the grid of a float8
+    format with ``MANT_BITS`` mantissa bits and smallest normal exponent ``MIN_EXP`` (its
+    subnormals share that exponent's step); still float32, exactly representable in the format.
+    NaN is not kept (it stores as ``±MAX``; torch's cast keeps it): a NaN key is lost anyway."""
+    # NOTE: the sign goes back as a bit (Triton's unary minus is 0 - x, which loses -0.0).
+    sign = (x.to(tl.int32, bitcast=True) >> 31) << 31
+    a = tl.minimum(tl.abs(x), MAX)
+    exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP) - MANT_BITS
+    step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2 ** exponent: the grid's spacing at a
+    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2 ** -exponent
+    # NOTE: a * inverse < 2 ** (MANT_BITS + 1), far below 2**22; products with powers of two are
+    # exact (no division: Triton's float32 division is approximate), so the one rounding is the
+    # magic number's, to nearest even.
+    rounded = ((a * inverse + _ROUND_MAGIC) - _ROUND_MAGIC) * step
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_cache(x, CACHE_DTYPE: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``x`` (float32, or the model dtype) as a KV-cache element: float8 caches (``FP8_MAX > 0``)
+    through :func:`_fp8_grid`, any other cache dtype by a plain conversion."""
+    if FP8_MAX > 0:
+        x = _fp8_grid(x.to(tl.float32), FP8_MANT_BITS, FP8_MIN_EXP, FP8_MAX)
+    return x.to(CACHE_DTYPE)
 
 
 @triton.jit
@@ -119,6 +160,9 @@ def _qkv_prepare_kernel(
     CACHE_BLOCK_SIZE: tl.constexpr,
     IS_NEOX: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8_MANT_BITS: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_dependent(PDL)  # NOTE: first: qkv comes from the kernel before
@@ -127,6 +171,7 @@ def _qkv_prepare_kernel(
     cols = tl.arange(0, BLOCK_D)
     in_head = cols < HEAD_DIM
     DTYPE: tl.constexpr = q_out_ptr.dtype.element_ty
+    CACHE_DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     row = qkv_ptr + token.to(tl.int64) * stride_qkv_t
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos_row = cos_sin_ptr + position * stride_cos_p
@@ -146,8 +191,11 @@ def _qkv_prepare_kernel(
             k_src = row + (NUM_Q_HEADS + kv_head) * HEAD_DIM
             k = _prepare_head(k_src, k_norm_ptr, eps, cos_row, cols, DTYPE, HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM)
             k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + kv_head * stride_kc_head
-            tl.store(k_dst + cols, k.to(DTYPE), mask=in_head)
+            # NOTE: k is already rounded to the model dtype, as the reference's k is before write_kv.
+            k = _to_cache(k, CACHE_DTYPE, FP8_MANT_BITS, FP8_MIN_EXP, FP8_MAX)
+            tl.store(k_dst + cols, k, mask=in_head)
             v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + cols, mask=in_head)
+            v = _to_cache(v, CACHE_DTYPE, FP8_MANT_BITS, FP8_MIN_EXP, FP8_MAX)
             v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + kv_head * stride_vc_head
             tl.store(v_dst + cols, v, mask=in_head)
 
@@ -181,11 +229,13 @@ def _check_inputs(
         )
     if k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"k_cache holds {k_cache.shape[2]} KV heads, num_kv_heads={num_kv_heads}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dtype != qkv.dtype or cache.stride(-1) != 1:
+        if cache.dtype not in (qkv.dtype, *_FP8_DTYPES) or cache.stride(-1) != 1:
             raise ValueError(
-                f"{name} must have qkv's dtype {qkv.dtype} and unit last stride, got dtype={cache.dtype}, "
-                f"stride={cache.stride()}"
+                f"{name} must be in qkv's dtype {qkv.dtype} or a float8 dtype {_FP8_DTYPES}, with unit last stride; "
+                f"got dtype={cache.dtype}, stride={cache.stride()}"
             )
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.stride(-1) != 1:
         raise ValueError(
@@ -210,6 +260,15 @@ def _check_inputs(
         if weight is not None and (weight.shape != (head_dim,) or not weight.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous [head_dim={head_dim}] vector, got shape={tuple(weight.shape)}")
     return head_dim
+
+
+def _fp8_format(dtype: torch.dtype) -> tuple[int, int, float]:
+    """``(mantissa bits, smallest normal exponent, largest finite value)`` of a float8 cache
+    dtype (e4m3fn: 3, -6, 448; e5m2: 2, -14, 57344); ``(0, 0, 0.0)`` for any other dtype."""
+    if dtype not in _FP8_DTYPES:
+        return 0, 0, 0.0
+    info = torch.finfo(dtype)
+    return round(-math.log2(info.eps)), round(math.log2(info.tiny)), float(info.max)
 
 
 @register("qkv_prepare", "triton")
@@ -240,8 +299,9 @@ def qkv_prepare(
         rotary_dim: leading dims of each head that rotate (the cache width, even, ``<= D``);
             the rest pass through (after the norm).
         is_neox: True rotates halves (HF Llama); False rotates adjacent pairs, kept interleaved.
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` in qkv's dtype (any strides with
-            a unit last one): the new K (normalised, rotated) and V go to ``slot_mapping``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` in qkv's dtype or both in one
+            float8 dtype (any strides with a unit last one): the new K (normalised, rotated) and V
+            go to ``slot_mapping`` (float8: saturated and rounded as ``write_kv`` stores them).
         slot_mapping: ``[T]`` int64 (or int32) ``block * block_size + offset`` of each token;
             a negative slot writes nothing for that token.
         num_q_heads, num_kv_heads: ``Hq`` and ``Hkv`` of this rank.
@@ -263,6 +323,7 @@ def qkv_prepare(
         return q  # NOTE: a zero-size grid is a launch error
     has_norm = q_norm_weight is not None
     block_d = triton.next_power_of_2(head_dim)
+    fp8 = _fp8_format(k_cache.dtype)
     _qkv_prepare_kernel[(tokens, num_q_heads + num_kv_heads)](
         qkv,
         positions,
@@ -290,6 +351,9 @@ def qkv_prepare(
         CACHE_BLOCK_SIZE=k_cache.shape[1],
         IS_NEOX=bool(is_neox),
         HAS_NORM=has_norm,
+        FP8_MANT_BITS=fp8[0],
+        FP8_MIN_EXP=fp8[1],
+        FP8_MAX=fp8[2],
         num_warps=1 if block_d <= 128 else 2,
         # NOTE: no mul+add -> FMA contraction: it would skip the rounding of a product that the
         # reference rounds (LLVM otherwise fuses r(x*cos) - r(x'*sin) into one bf16 FMA).

@@ -60,6 +60,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from flotilla.kernels.kv_dtype import storage_view
+
 KVCaches = Sequence[Sequence[torch.Tensor]]
 
 class KVTransferError(RuntimeError):
@@ -630,7 +632,7 @@ class RayObjectTransport(KVTransport):
         index = torch.tensor(ids, dtype=torch.long, device=self._regions[0].device)
         out = []
         for region in self._regions:
-            blocks = region.index_select(0, index)
+            blocks = storage_view(region).index_select(0, index)
             if (lo, hi) != (span.start, span.stop):
                 blocks = blocks[:, :, lo - span.start : hi - span.start].contiguous()
             out.append(blocks.cpu().view(torch.uint8).reshape(len(ids), -1).numpy())
@@ -670,8 +672,10 @@ class RayObjectTransport(KVTransport):
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             for region, data in zip(self._regions, blocks):
                 shape = (len(dst), region.shape[1], hi - lo, *region.shape[3:])
-                heads_view = region[:, :, offset : offset + hi - lo]  # NOTE: a view; index_copy_ writes through it
-                heads_view.index_copy_(0, index, torch.from_numpy(data).view(region.dtype).reshape(shape).to(region.device))
+                # NOTE: a view; index_copy_ writes through it (float8 caches as uint8: see storage_view).
+                heads_view = storage_view(region)[:, :, offset : offset + hi - lo]
+                data_view = torch.from_numpy(data).view(heads_view.dtype).reshape(shape).to(region.device)
+                heads_view.index_copy_(0, index, data_view)
 
     def close(self) -> None:
         super().close()

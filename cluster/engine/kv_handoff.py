@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.kernels.kv_dtype import storage_view
 
 if TYPE_CHECKING:
     from flotilla.cluster.engine.llm_engine import LLMEngine
@@ -160,6 +161,15 @@ def tensor_block_copier(src_caches: Sequence[Sequence[torch.Tensor]], dst_caches
     dst_regions = [t for layer in dst_caches for t in layer]
     if len(src_regions) != len(dst_regions) or any(s.shape[1:] != d.shape[1:] for s, d in zip(src_regions, dst_regions)):
         raise ValueError("src_caches and dst_caches must hold the same layers with the same block shapes")
+    mismatched = next(((s.dtype, d.dtype) for s, d in zip(src_regions, dst_regions) if s.dtype != d.dtype), None)
+    if mismatched is not None:
+        raise ValueError(
+            f"src_caches hold {mismatched[0]} and dst_caches {mismatched[1]}: KV blocks move between caches of one "
+            "dtype (give both engines the same --kv-cache-dtype)"
+        )
+    # NOTE: copied as stored (uint8 views of float8 caches: torch has no float8 index_copy_ on CPU).
+    src_regions = [storage_view(t) for t in src_regions]
+    dst_regions = [storage_view(t) for t in dst_regions]
 
     def copy_blocks(src: list[int], dst: list[int]) -> None:
         if not src:

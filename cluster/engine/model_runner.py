@@ -17,7 +17,7 @@ start-up cost.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -26,6 +26,7 @@ from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes
 from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.cluster.engine.input_staging import InputStaging
 from flotilla.cluster.engine.kernel_backends import has_experts, kernel_backends_for, load_kernel_backends
+from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
 from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv_attachable
 from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.overlap import PENDING_TOKEN, TokenFeed
@@ -127,8 +128,9 @@ class ModelRunner:
         self.parallel = parallel or ParallelLayout()
         self.device = torch.device(config.device or "cpu")
         dtype = resolve_dtype(config.dtype or "auto", source, self.device)
-        # NOTE: a backend this machine lacks, or an FP8 quantization_config flotilla cannot
-        # load, fails here, before any weight is loaded.
+        # NOTE: a backend this machine lacks, an FP8 quantization_config flotilla cannot
+        # load, or a kv_cache_dtype it cannot store fails here, before any weight is loaded.
+        kv_dtype = kv_cache_dtype_for(config, dtype, source.config_dict)
         fp8_model = BlockFp8Config.from_hf(source.config_dict) is not None
         self.backends = kernel_backends_for(
             config, dtype, moe_model=has_experts(source.config_dict), fp8_model=fp8_model
@@ -160,7 +162,7 @@ class ModelRunner:
         self.vocab_size = int(source.config_dict["vocab_size"])
         self._synchronize()
         loaded = time.perf_counter()
-        spec = self.model.kv_cache_spec()
+        spec = replace(self.model.kv_cache_spec(), dtype=kv_dtype)
         dcp_size = self.parallel.dcp_size
         if dcp_size > 1 and not any(getattr(m, "supports_dcp", False) for m in self.model.modules()):
             raise NotImplementedError(
@@ -195,7 +197,7 @@ class ModelRunner:
         # NOTE: a planner's padding rows read the scratch block (only graph planners pad).
         padding = {"padding_page": scratch} if graph_sizes else {}
         self.planner = registry.get("attention_planner", self.backends.attention)(
-            self.model.attention_shape(),
+            replace(self.model.attention_shape(), kv_dtype=kv_dtype),
             self.device,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
@@ -236,6 +238,7 @@ class ModelRunner:
             "graphs_off_reason": self.graphs_off_reason,
             "kernel_backends": self.backends.as_dict(),
             "kv_blocks": num_blocks,
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         }
 
     def startup_report(self) -> dict[str, Any]:
@@ -243,7 +246,8 @@ class ModelRunner:
         ``warmup_s`` (one eager prefill and a sample on the scratch block: kernel JIT and
         library set-up land here, not in the first request), ``graph_capture_s``,
         ``graph_batch_sizes`` (captured decode sizes; empty when off), ``graphs_off_reason``
-        (None when on), ``kernel_backends`` and ``kv_blocks``."""
+        (None when on), ``kernel_backends``, ``kv_blocks`` and ``kv_cache_dtype`` (what the
+        cache stores, e.g. ``float8_e4m3fn``)."""
         return dict(self._startup)
 
     def _synchronize(self) -> None:

@@ -160,7 +160,11 @@ class ModelConfig:
 class KVCacheSpec:
     """Per-layer cache layout: each layer holds ``len(tensors_per_layer)`` tensors of
     shape ``[num_blocks, block_size, *shape]`` (e.g. K and V of ``(num_kv_heads, head_dim)``;
-    MLA: one latent tensor of ``(1, kv_lora_rank + rope_dim)``)."""
+    MLA: one latent tensor of ``(1, kv_lora_rank + rope_dim)``) in ``dtype``.
+
+    A model reports its own dtype; the runner allocates in the dtype ``--kv-cache-dtype``
+    resolves to (``dataclasses.replace(spec, dtype=...)``; float8 for MHA/GQA, see
+    :mod:`flotilla.cluster.engine.kv_cache_dtype`), and ``bytes_per_token`` follows it."""
 
     num_layers: int
     tensors_per_layer: tuple[tuple[int, ...], ...]

@@ -132,6 +132,22 @@ def test_bench_offline_json(tiny_dir, tmp_path, capsys):
     _check_common(data, weights_per_step_rows=5)
 
 
+def test_bench_offline_passes_the_kv_cache_dtype_through(tiny_dir, tmp_path, capsys):
+    """``--kv-cache-dtype fp8_e4m3`` reaches the runner: the cache is float8, and the KV bytes the
+    roofline counts are one byte an element (a quarter of the float32 cache's here)."""
+    out = tmp_path / "offline-fp8.json"
+    argv = ["bench", "offline", "--model", str(tiny_dir), "--load-format", "dummy", "--num-prompts", "5",
+            "--input-len", "10", "--output-len", "4", "--warmup-steps", "0", "--bandwidth-bytes", COPY_BYTES,
+            "--kv-cache-dtype", "fp8_e4m3", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "(float8_e4m3fn)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["config"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert data["kv_cache"]["dtype"] == data["startup"]["runner"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert data["kv_bytes_per_token"] == data["kv_cache"]["bytes_per_token_per_rank"] == TINY_KV_BYTES_PER_TOKEN // 4
+    assert data["flotilla"]["roofline"]["kv_bytes_per_step_mean"] == pytest.approx(60 * TINY_KV_BYTES_PER_TOKEN // 4)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

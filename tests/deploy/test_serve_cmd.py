@@ -77,6 +77,11 @@ def test_pools_that_disagree_on_the_kv_layout_are_refused():
     other, _ = resolve_for_serving(decode_16, probe())
     with pytest.raises(ValueError, match="page_size"):
         check_pd_options(prefill, other, options)
+    # NOTE: KV blocks move as bytes, so a float8 pool cannot feed a bf16 one (nor the reverse).
+    _, decode_fp8 = pd_server_fields({"max_total_tokens": 2048, "kv_cache_dtype": "fp8_e4m3"})
+    fp8, _ = resolve_for_serving(decode_fp8, probe())
+    with pytest.raises(ValueError, match="must agree on kv_cache_dtype: prefill 'auto', decode 'fp8_e4m3'"):
+        check_pd_options(prefill, fp8, options)
     import dataclasses
 
     with pytest.raises(ValueError, match="--decode-replicas must be an integer >= 1"):

@@ -6,6 +6,14 @@ head dims 64/128, blocks of 16 and 32, a sliding window, plans reused by two lay
 CUDA-graph decode replays (re-planned between replays, two graph sizes sharing buffers)
 against eager flashinfer and the reference.
 
+Float8 caches (``AttentionShape.kv_dtype``: e4m3fn over the whole bf16 grid and the graph
+decodes, e5m2 on the head-dim-128 configs): the caches hold random float8 values, the new K/V
+are stored rounded (``to_cache_dtype``), and the reference reads the same float8 values in
+float32. flashinfer widens each float8 value to bf16 exactly before its MMAs (every e4m3 and
+e5m2 value is a bf16 value), so the kernels see the same numbers as in the bf16 case and the
+bf16 tolerance holds unchanged. The float8 prefill runs on FA2 (FA3 takes float8 caches only
+with float8 queries), checked through the planner.
+
 Run on a GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu/test_flashinfer_attention.py``.
 The first use of each (dtype, head dim, window) compiles flashinfer kernels (~1-1.5 min
 each; cached in ~/.cache/flashinfer), so the grid keeps the variants few: bf16 for most
@@ -29,6 +37,7 @@ import torch
 
 from flotilla.kernels.attention import AttentionMetadata, AttentionShape
 from flotilla.kernels.attention import paged_attention as torch_paged_attention
+from flotilla.kernels.kv_dtype import storage_view, to_cache_dtype
 from gpu.paged_steps import Step, build_step, planner_for, random_blocks
 
 pytestmark = [
@@ -68,15 +77,30 @@ def flashinfer_paged_attention():
     return get("paged_attention", "flashinfer")
 
 
-def make_shape(num_q_heads, num_kv_heads, head_dim, dtype, sliding_window=None) -> AttentionShape:
-    return AttentionShape(num_q_heads, num_kv_heads, head_dim, head_dim, 1 / math.sqrt(head_dim), sliding_window, dtype)
+def make_shape(num_q_heads, num_kv_heads, head_dim, dtype, sliding_window=None, kv_dtype=None) -> AttentionShape:
+    return AttentionShape(
+        num_q_heads, num_kv_heads, head_dim, head_dim, 1 / math.sqrt(head_dim), sliding_window, dtype, kv_dtype=kv_dtype
+    )
 
 
 def random_caches(shape: AttentionShape, num_blocks, block_size, generator):
-    """K/V caches of N(0,1) values everywhere: unwritten slots (a cached prefix's context,
-    or garbage never to be read) are random too."""
+    """K/V caches of N(0,1) values everywhere, in the shape's cache dtype: unwritten slots (a
+    cached prefix's context, or garbage never to be read) are random too."""
     size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-    return tuple(torch.randn(size, generator=generator, device="cuda").to(shape.dtype) for _ in range(2))
+    return tuple(
+        to_cache_dtype(torch.randn(size, generator=generator, device="cuda").to(shape.dtype), shape.cache_dtype)
+        for _ in range(2)
+    )
+
+
+def stored(x: torch.Tensor, shape: AttentionShape) -> torch.Tensor:
+    """New keys or values as the cache holds them (float8: rounded and saturated)."""
+    return to_cache_dtype(x, shape.cache_dtype)
+
+
+def written_at(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The bytes of the cache rows at ``slots`` (float8 as uint8)."""
+    return storage_view(cache).view(-1, *cache.shape[2:]).index_select(0, slots)
 
 
 def random_qkv(shape: AttentionShape, num_tokens, generator):
@@ -87,10 +111,10 @@ def random_qkv(shape: AttentionShape, num_tokens, generator):
 
 
 def reference(q, k, v, k_cache, v_cache, meta, shape) -> torch.Tensor:
-    """The torch reference in float32 on copies of the caches (same inputs)."""
-    return torch_paged_attention(
-        q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, shape.scale, shape.sliding_window
-    )
+    """The torch reference in float32 on copies of the caches (same inputs; the new K/V as
+    the cache stores them)."""
+    k, v = stored(k, shape).float(), stored(v, shape).float()
+    return torch_paged_attention(q.float(), k, v, k_cache.float(), v_cache.float(), meta, shape.scale, shape.sliding_window)
 
 
 def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype, step: Step | None, what: str) -> None:
@@ -139,8 +163,8 @@ def run_case(shape: AttentionShape, batch, block_size, seed=0, layers=1) -> None
         out = attention(q, k, v, k_cache, v_cache, step.meta, shape.scale, shape.sliding_window)
         assert out.dtype == shape.dtype
         assert_matches(out, expected, shape.dtype, step, f"layer {layer}")
-        written = k_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_select(0, step.meta.slot_mapping)
-        assert torch.equal(written, k), "the new keys were not written at slot_mapping"
+        written = written_at(k_cache, step.meta.slot_mapping)
+        assert torch.equal(written, storage_view(stored(k, shape))), "the new keys were not written at slot_mapping"
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -149,6 +173,38 @@ def run_case(shape: AttentionShape, batch, block_size, seed=0, layers=1) -> None
 def test_bf16_grid_matches_torch_reference(config, batch, block_size):
     shape = make_shape(*CONFIGS[config])
     run_case(shape, BATCHES[batch], block_size, layers=2 if batch == "mixed" else 1)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_fp8_e4m3_cache_matches_torch_reference(config, batch):
+    shape = make_shape(*CONFIGS[config], kv_dtype=torch.float8_e4m3fn)
+    run_case(shape, BATCHES[batch], 16, layers=2 if batch == "mixed" else 1)
+
+
+@pytest.mark.parametrize("batch", ["mixed", "decode", "long-decode"])
+@pytest.mark.parametrize("config", ["bf16-32/8-d128", "bf16-8/8-d128"])
+def test_fp8_e5m2_cache_matches_torch_reference(config, batch):
+    run_case(make_shape(*CONFIGS[config], kv_dtype=torch.float8_e5m2), BATCHES[batch], 16)
+
+
+def test_fp8_cache_planner_prefills_on_fa2_and_other_cache_dtypes_are_refused():
+    from flotilla.kernels.registry import get
+
+    planner = get("attention_planner", "flashinfer")
+    fp8 = planner(make_shape(32, 8, 128, torch.bfloat16, kv_dtype=torch.float8_e4m3fn), "cuda", block_size=16,
+                  max_num_seqs=4, max_num_pages=64)  # fmt: skip
+    assert fp8.prefill_backend == "fa2"
+    plain = planner(make_shape(32, 8, 128, torch.bfloat16), "cuda", block_size=16, max_num_seqs=4, max_num_pages=64)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert plain.prefill_backend == "fa3"
+    with pytest.raises(ValueError, match="kv_dtype=torch.bfloat16"):
+        planner(make_shape(32, 8, 128, torch.float16, kv_dtype=torch.bfloat16), "cuda", block_size=16, max_num_seqs=4,
+                max_num_pages=64)  # fmt: skip
+    mla = AttentionShape(16, 1, 576, 512, 0.1, None, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64,
+                         kv_dtype=torch.float8_e4m3fn)  # fmt: skip
+    with pytest.raises(ValueError, match="latent cache in the model's dtype"):
+        planner(mla, "cuda", block_size=16, max_num_seqs=4, max_num_pages=64)
 
 
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
@@ -230,11 +286,12 @@ def decode_step(num_real: int, size: int, runner_pads: bool, block_size, num_blo
     return build_step(cached, new, block_size, blocks)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("runner_pads", [True, False], ids=["runner-pads", "planner-pads"])
 @pytest.mark.parametrize("config", ["bf16-32/8-d128", "bf16-9/3-d64"])
-def test_cuda_graph_decode_replays_match_eager_and_reference(config, runner_pads):
+def test_cuda_graph_decode_replays_match_eager_and_reference(config, runner_pads, kv_dtype):
     block_size, num_blocks = 16, 8 * 44 + 8
-    shape = make_shape(*CONFIGS[config])
+    shape = make_shape(*CONFIGS[config], kv_dtype=kv_dtype)
     planner = planner_for(shape, block_size, graph_batch_sizes=GRAPH_SIZES, max_num_pages=8 * 44)
     attention = flashinfer_paged_attention()
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -275,8 +332,8 @@ def test_cuda_graph_decode_replays_match_eager_and_reference(config, runner_pads
         torch.cuda.synchronize()
         graph_out = static_out[:num_real].clone()
         real_slots = slots[:num_real]
-        written = k_cache.view(-1, shape.num_kv_heads, shape.head_dim).index_select(0, real_slots)
-        assert torch.equal(written, k[:num_real]), f"replay {replay}: the graph did not write the new keys"
+        written = written_at(k_cache, real_slots)
+        assert torch.equal(written, storage_view(stored(k[:num_real], shape))), f"replay {replay}: the graph did not write the new keys"
 
         # eager flashinfer on the same step (its own non-graph plan), then the reference
         eager_meta = build_step(step.cached_lens[:num_real], step.new_lens[:num_real], block_size, _tables(step, num_real)).meta

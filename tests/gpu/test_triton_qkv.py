@@ -24,6 +24,13 @@ bf16/fp16 values or one float32 add/sub, the same in torch and Triton. So:
   fraction of the elements, a wrong partner or frequency changes them by O(1).
 - V is copied bit for bit.
 
+Float8 caches (e4m3fn, e5m2; scale 1.0): the kernel stores K and V as ``write_kv`` does
+(saturate, round to nearest even), so without q/k norm both caches are bit-identical to the
+reference's; with q/k norm a one-ulp flip of a normalised element (above) can carry into a
+different float8 value, at most one float8 step away (a bf16 ulp is 1/16 of an e4m3 step, so
+flips that cross a float8 rounding boundary are rarer still): at most 1% of K elements may
+differ, each by at most one step. Inputs scaled past the formats' range check saturation.
+
 Run on a GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu/test_triton_qkv.py``. The
 helpers take a ``device`` so the same checks run under Triton's CPU interpreter
 (``TRITON_INTERPRET=1``).
@@ -38,6 +45,7 @@ import pytest
 import torch
 
 from flotilla.kernels.attention import write_kv
+from flotilla.kernels.kv_dtype import FP8_KV_DTYPES, storage_view, to_cache_dtype
 from flotilla.kernels.norm import rms_norm
 from flotilla.kernels.rotary import rope_cache, rotary_embedding
 
@@ -211,12 +219,111 @@ def test_bad_inputs_raise_clear_errors(device="cuda"):
         op(qkv, positions, cache, rotary_dim, True, k_cache, v_cache, slots, 8, 4)
     with pytest.raises(ValueError, match="rotary_dim=32"):
         op(qkv, positions, cache, 32, True, k_cache, v_cache, slots, 16, 4)
-    with pytest.raises(ValueError, match="k_cache must have"):
+    with pytest.raises(ValueError, match="k_cache must be in qkv's dtype"):
         op(qkv, positions, cache, rotary_dim, True, k_cache.half(), v_cache.half(), slots, 16, 4)
+    with pytest.raises(ValueError, match="k_cache and v_cache must share a dtype"):
+        op(qkv, positions, cache, rotary_dim, True, k_cache.to(torch.float8_e4m3fn), v_cache, slots, 16, 4)
     with pytest.raises(ValueError, match="both"):
         op(qkv, positions, cache, rotary_dim, True, k_cache, v_cache, slots, 16, 4, q_norm_weight=qkv[0, :64])
     with pytest.raises(ValueError, match="slot_mapping"):
         op(qkv, positions, cache, rotary_dim, True, k_cache, v_cache, slots[:2], 16, 4)
+
+
+# -- float8 caches ----------------------------------------------------------------------------
+
+FP8_IDS = ["e4m3", "e5m2"]
+# Input scales that push K and V past each format's largest value (448, 57344) in places.
+SATURATING_SCALE = {torch.float8_e4m3fn: 300.0, torch.float8_e5m2: 40000.0}
+
+
+def fp8_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of float8 values at ``|x|`` (x float8): the step one rounding flip moves by."""
+    info = torch.finfo(x.dtype)
+    mantissa_bits = round(-math.log2(info.eps))
+    exponent = torch.floor(torch.log2(x.float().abs().clamp(min=info.tiny)))
+    return torch.exp2(exponent - mantissa_bits)
+
+
+def check_fp8_close(got, want, exact: bool, what: str) -> None:
+    """Float8 caches: bytewise equal when ``exact``; else at most MAX_FLIP_FRACTION of the
+    elements differ, each by at most one float8 step (module docstring)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}/{got.shape} vs {want.dtype}/{want.shape}"
+    differ = storage_view(got) != storage_view(want)
+    if exact:
+        if differ.any():
+            where = torch.nonzero(differ)[:5].tolist()
+            pytest.fail(f"{what}: {int(differ.sum())}/{differ.numel()} elements differ (expected bytewise), e.g. at {where}")
+        return
+    step = torch.maximum(fp8_step(got), fp8_step(want))
+    over = (got.float() - want.float()).abs() > step
+    assert not over.any(), f"{what}: {int(over.sum())} elements more than one float8 step apart, e.g. at {torch.nonzero(over)[0].tolist()}"
+    fraction = differ.float().mean().item()
+    assert fraction <= MAX_FLIP_FRACTION, f"{what}: {fraction:.2%} of elements differ (rounding flips should be rare)"
+
+
+def run_fp8_case(tokens, heads, qk_norm, cache_dtype, block_size, scale=1.0, device="cuda", seed=0):
+    """One case with float8 caches (pre-filled with random float8 values): q as in
+    :func:`run_case`, the caches against ``write_kv``'s float8 stores."""
+    qkv, positions, cache, rotary_dim, weights, k_cache, v_cache, slots = make_inputs(
+        tokens, heads, 1.0, torch.bfloat16, qk_norm, block_size, device, seed
+    )
+    if scale != 1.0:
+        qkv.mul_(scale)  # NOTE: in place, so qkv stays a strided view
+    k_cache, v_cache = to_cache_dtype(k_cache, cache_dtype), to_cache_dtype(v_cache, cache_dtype)
+    want_q, q_normed, k_normed, want_k_cache, want_v_cache = reference(
+        qkv, positions, cache, rotary_dim, True, weights, k_cache, v_cache, slots, heads
+    )
+    norm_args = {} if weights is None else dict(q_norm_weight=weights[0], k_norm_weight=weights[1], eps=EPS)
+    q = qkv_prepare()(qkv, positions, cache, rotary_dim, True, k_cache, v_cache, slots, heads[0], heads[1], **norm_args)
+    label = f"T={tokens} heads={heads} {cache_dtype} norm={qk_norm} block={block_size} scale={scale}"
+    check_close(q, want_q, q_normed, rotary_dim, True, f"q ({label})")
+    check_fp8_close(v_cache, want_v_cache, True, f"v_cache ({label})")
+    check_fp8_close(k_cache, want_k_cache, not qk_norm, f"k_cache ({label})")
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("cache_dtype", FP8_KV_DTYPES, ids=FP8_IDS)
+def test_float8_caches_hold_what_write_kv_stores(cache_dtype, tokens, heads, qk_norm, block_size, device="cuda"):
+    run_fp8_case(tokens, heads, qk_norm, cache_dtype, block_size, device=device)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_KV_DTYPES, ids=FP8_IDS)
+def test_float8_caches_saturate_out_of_range_values(cache_dtype, device="cuda"):
+    k_cache, v_cache = run_fp8_case(64, (16, 4, 64), False, cache_dtype, 16, SATURATING_SCALE[cache_dtype], device=device)
+    limit = torch.finfo(cache_dtype).max
+    for name, written in (("k", k_cache), ("v", v_cache)):
+        values = written.float()
+        assert torch.isfinite(values).all(), f"{name}: a non-finite float8 value (no saturation)"
+        assert (values.abs() == limit).any(), f"{name}: no value reached {limit}: the case does not test saturation"
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_KV_DTYPES, ids=FP8_IDS)
+def test_float8_store_of_every_bf16_value_matches_write_kv(cache_dtype, device="cuda"):
+    """V passes straight to the cache, so V rows holding every finite bf16 value (and both
+    infinities) check the kernel's float8 rounding and saturation against torch's, exhaustively."""
+    num_q, num_kv, head_dim = 16, 4, 64
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = torch.cat([values[torch.isfinite(values.float())], torch.tensor([float("inf"), -float("inf")]).bfloat16()])
+    per_token = num_kv * head_dim
+    tokens = -(-values.numel() // per_token)
+    v = torch.cat([values, torch.zeros(tokens * per_token - values.numel(), dtype=torch.bfloat16)]).view(tokens, per_token)
+    qk = torch.randn(tokens, (num_q + num_kv) * head_dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    qkv = torch.cat([qk, v], dim=1).to(device)
+    positions = torch.zeros(tokens, dtype=torch.long, device=device)
+    cos_sin_cache = rope_cache(head_dim, MAX_POSITION, 10_000.0).to(device)
+    shape = (-(-tokens // 16), 16, num_kv, head_dim)
+    k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+    slots = torch.arange(tokens, device=device)
+    qkv_prepare()(qkv, positions, cos_sin_cache, head_dim, True, k_cache, v_cache, slots, num_q, num_kv)
+    written = storage_view(v_cache).view(-1)[: values.numel()].cpu()
+    want = storage_view(to_cache_dtype(values, cache_dtype))
+    bad = written != want
+    assert not bad.any(), f"{int(bad.sum())} values stored differently, e.g. {values[bad][:5].tolist()}"
 
 
 def test_cuda_graph_replay_follows_new_inputs():
@@ -251,15 +358,17 @@ def test_cuda_graph_replay_follows_new_inputs():
 
 
 @pytest.mark.timeout(1800)  # a cold flashinfer JIT cache compiles the prefill kernels first
-def test_paged_attention_reads_the_kernels_cache():
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+def test_paged_attention_reads_the_kernels_cache(kv_dtype):
     """flashinfer paged attention with ``k=None, v=None`` after the kernel wrote the cache gives
-    the unfused flashinfer path's output (same q, same cache contents: bitwise without q/k norm)."""
+    the unfused flashinfer path's output (same q, same cache contents: bitwise without q/k norm),
+    also over a float8 cache."""
     from gpu.paged_steps import build_step, planner_for, random_blocks
     from flotilla.kernels.attention import AttentionShape
     from flotilla.kernels.registry import get
 
     num_q, num_kv, head_dim, dtype, block_size = 32, 8, 128, torch.bfloat16, 16
-    shape = AttentionShape(num_q, num_kv, head_dim, head_dim, 1 / math.sqrt(head_dim), None, dtype)
+    shape = AttentionShape(num_q, num_kv, head_dim, head_dim, 1 / math.sqrt(head_dim), None, dtype, kv_dtype=kv_dtype)
     cached, new = [37, 0, 15], [5, 17, 1]
     seq_lens = [c + n for c, n in zip(cached, new)]
     num_blocks = 32
@@ -270,7 +379,8 @@ def test_paged_attention_reads_the_kernels_cache():
     qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, generator=gen, device="cuda").to(dtype)
     positions = torch.tensor([c + i for c, n in zip(cached, new) for i in range(n)], device="cuda")
     cos_sin_cache = rope_cache(head_dim, MAX_POSITION, 500_000.0).cuda()
-    caches = torch.randn(2, num_blocks, block_size, num_kv, head_dim, generator=gen, device="cuda").to(dtype)
+    caches = to_cache_dtype(torch.randn(2, num_blocks, block_size, num_kv, head_dim, generator=gen, device="cuda").to(dtype),
+                            shape.cache_dtype)  # fmt: skip
     fused_k, fused_v = caches.clone().unbind(0)
     plain_k, plain_v = caches.clone().unbind(0)
     attention = get("paged_attention", "flashinfer")
@@ -283,7 +393,8 @@ def test_paged_attention_reads_the_kernels_cache():
         positions, q_ref.view(tokens, num_q, head_dim), k_ref.view(tokens, num_kv, head_dim), cos_sin_cache, head_dim, True
     )
     plain = attention(q_ref, k_ref, v_ref.view(tokens, num_kv, head_dim), plain_k, plain_v, step.meta, shape.scale)
-    assert torch.equal(fused_k, plain_k) and torch.equal(fused_v, plain_v)
+    for fused_cache, plain_cache in ((fused_k, plain_k), (fused_v, plain_v)):
+        assert torch.equal(storage_view(fused_cache), storage_view(plain_cache))
     # NOTE: identical inputs to one planned kernel; a tolerance of one bf16 ulp at |out| <~ 4 only
     # guards against run-to-run reduction-order differences.
     torch.testing.assert_close(fused, plain, atol=2**-6, rtol=0)

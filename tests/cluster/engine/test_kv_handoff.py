@@ -90,6 +90,23 @@ def test_decode_after_a_tensor_copy_gives_the_colocated_tokens(engines):
     assert steps and all(counts == [1] for counts in steps)
 
 
+def test_float8_caches_hand_off_their_bytes(engines):
+    """Float8 caches (``kv_cache_dtype=fp8_e4m3``) copy as stored: the decode engine's tokens
+    equal a colocated float8 engine's (the same bytes, the same kernels). A float8 cache and a
+    float32 one do not pair."""
+    path, prompts, _ = engines
+    colocated = make_engine(path, kv_cache_dtype="fp8_e4m3")
+    prefiller, decoder = make_engine(path, kv_cache_dtype="fp8_e4m3"), make_engine(path, kv_cache_dtype="fp8_e4m3")
+    copy = tensor_block_copier(prefiller.runner.kv_caches, decoder.runner.kv_caches)
+    for prompt in prompts:
+        want = finish(colocated, colocated.add_request(prompt, GREEDY))
+        _, decode_id = handoff(prefiller, decoder, prompt, copy, GREEDY)
+        assert finish(decoder, decode_id) == want
+        assert_no_leaks(decoder)
+    with pytest.raises(ValueError, match="src_caches hold torch.float8_e4m3fn and dst_caches torch.float32"):
+        tensor_block_copier(prefiller.runner.kv_caches, make_engine(path).runner.kv_caches)
+
+
 def test_the_copied_kv_is_what_the_decode_uses(engines):
     """Negative control: a copy that moves nothing leaves the fresh (zero) cache in place,
     and the 40-token prompt's continuation changes, so the test above can fail."""
