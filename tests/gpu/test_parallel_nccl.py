@@ -4,7 +4,9 @@ The CPU suite checks the same layouts over gloo; here the collectives are NCCL's
 (all-reduce, all-gather, all-to-all with uneven splits, reduce-scatter), the ranks are
 Ray actors holding one GPU each, and the tiny models run in float32, so greedy tokens
 must be identical (reduction-order noise ~1e-6 is far below the tiny models' margins,
-see tests/helpers). Run on a 2-GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu``.
+see tests/helpers). The last test runs TP=2 on the GPU kernel backends in bf16 with decode
+CUDA graphs captured over NCCL, the steps pipelined through the compiled step graph, against
+the same group without graphs. Run on a 2-GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu``.
 """
 
 import pytest
