@@ -228,8 +228,7 @@ class GroupRunner:
         from flotilla.cluster.worker import StepBatch
 
         if any(row.generator is not None for row in rows):
-            self._flush_open()
-            return GroupBatch(self, tokens=self.execute(step, rows))
+            return GroupBatch(self, tokens=self.execute(step, rows))  # NOTE: execute flushes first
         refs = self.group.submit(StepBatch(step, [_shipped(row) for row in rows], pipelined=True, feed=feed is not None))
         if self._open is not None:
             self._open.result_refs = refs
