@@ -1,62 +1,121 @@
 """Decode attention at small batches: flashinfer's paged decode on tensor cores (its prefill
-kernels, what flotilla picks for GQA groups >= 4) against its CUDA-core decode kernel, for
-the Llama-3.1-8B head layout (32 query heads, 8 KV heads, head dim 128, bf16, 16-token
-pages), timed as CUDA-graph replays of 20 back-to-back calls.
+kernels, what flotilla picks for GQA groups >= 4, plus its merge kernel) against the Triton
+split-KV kernel (``kernels/triton_decode_attention.py``, what the flashinfer planner runs for
+decode batches of at most ``MAX_BATCH``), for the Llama-3.1-8B (32 query heads, 8 KV heads)
+and Qwen3-30B-A3B (32/4) head layouts, head dim 128, bf16, 16-token pages, timed as CUDA-graph
+replays of 20 back-to-back calls.
 
-    python benchmarks/attention_probe.py [--json OUT]
+    python benchmarks/attention_probe.py [--json OUT] [--batches 1,2,4,8,16] [--kv-lens 256,640,2048,8192] [--sweep]
+
+``--sweep`` also times the Triton kernel over launch configurations
+(``programs/BLOCK_N/min chunk/stages``, see ``TritonDecode``'s tuning arguments).
+
+Back-to-back calls of one kernel overlap a little more under programmatic dependent launch
+than the same kernel between a decode step's projections; the end-to-end side by side is
+``flotilla bench latency`` with and without ``FLOTILLA_TRITON_DECODE=0`` (docs/benchmarks.md).
+Before the Triton kernel existed this probe also timed flashinfer's CUDA-core decode kernel
+(0.5 us faster than tensor cores at batch 1, slower from batch 4; results/h200-issue8/attention-probe-cuda-cores.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a script from here)
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+LAYOUTS = {"llama-3.1-8b": (32, 8), "qwen3-30b-a3b": (32, 4)}
+HEAD_DIM, PAGE = 128, 16
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--kv-lens", default="256,640,2048,8192")
+    parser.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch configurations too")
     opts = parser.parse_args(argv)
     import flashinfer
 
+    from flotilla.kernels.triton_decode_attention import TritonDecode
+
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     results = []
-    for batch in (1, 4, 16, 64):
-        for kv_len in (256, 640, 2048):
-            pages = (kv_len + PAGE - 1) // PAGE
-            num_pages = batch * pages
-            k_cache = torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            v_cache = torch.randn_like(k_cache)
-            q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            indptr = torch.arange(0, num_pages + 1, pages, dtype=torch.int32, device="cuda")
-            indices = torch.arange(num_pages, dtype=torch.int32, device="cuda")
-            last = torch.full((batch,), kv_len - (pages - 1) * PAGE, dtype=torch.int32, device="cuda")
-            row = {"batch": batch, "kv_len": kv_len}
-            outs = {}
-            for tensor_cores in (True, False):
-                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, backend="fa2",
-                    paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
-                    paged_kv_last_page_len_buffer=last.clone(),
-                )  # fmt: skip
-                wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, PAGE,
-                             q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
-                outs[tensor_cores] = wrapper.run(q, (k_cache, v_cache))
-                key = "tensor_cores_us" if tensor_cores else "cuda_cores_us"
-                row[key] = replay_us(lambda w=wrapper: w.run(q, (k_cache, v_cache)))
-            row["max_diff"] = (outs[True].float() - outs[False].float()).abs().max().item()
-            print(f"batch {batch:3} kv {kv_len:5}: tensor cores {row['tensor_cores_us']:7.2f} us, "
-                  f"CUDA cores {row['cuda_cores_us']:7.2f} us (max diff {row['max_diff']:.1e})")  # fmt: skip
-            results.append(row)
+    for layout, (heads, kv_heads) in LAYOUTS.items():
+        for batch in (int(b) for b in opts.batches.split(",")):
+            for kv_len in (int(n) for n in opts.kv_lens.split(",")):
+                row = {"layout": layout, "batch": batch, "kv_len": kv_len,
+                       **_probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, opts.sweep)}  # fmt: skip
+                print(f"{layout:14} batch {batch:3} kv {kv_len:5}: flashinfer {row['flashinfer_us']:7.2f} us, "
+                      f"triton {row['triton_us']:7.2f} us ({row['flashinfer_us'] / row['triton_us']:.2f}x, "
+                      f"max diff {row['max_diff']:.1e})", flush=True)  # fmt: skip
+                if opts.sweep:
+                    best = min(row["sweep_us"], key=row["sweep_us"].get)
+                    print(f"    best config {best}: {row['sweep_us'][best]:.2f} us", flush=True)
+                results.append(row)
     if opts.json:
         opts.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+SWEEP = [
+    dict(target_programs=programs, block_n=block_n, min_chunk=min_chunk, num_stages=stages)
+    for programs in (256, 512, 1024)
+    for block_n in (32, 64)
+    for min_chunk in (32, 64)
+    for stages in (2,)
+]
+
+
+def _label(config: dict[str, int]) -> str:
+    return "{target_programs}/{block_n}/c{min_chunk}/s{num_stages}".format(**config)
+
+
+def _probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, sweep=False) -> dict:
+    pages = (kv_len + PAGE - 1) // PAGE
+    num_pages = batch * pages
+    k_cache = torch.randn(num_pages, PAGE, kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    # NOTE: pages in a shuffled order, as a long-running pool hands them out.
+    indices_cpu = torch.randperm(num_pages, dtype=torch.int32)
+    indptr_cpu = torch.arange(0, num_pages + 1, pages, dtype=torch.int32)
+    last_cpu = torch.full((batch,), kv_len - (pages - 1) * PAGE, dtype=torch.int32)
+    indptr, indices, last = (t.cuda() for t in (indptr_cpu, indices_cpu, last_cpu))
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
+        paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
+        paged_kv_last_page_len_buffer=last.clone(),
+    )  # fmt: skip
+    wrapper.plan(indptr, indices, last, heads, kv_heads, HEAD_DIM, PAGE,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+    expected = wrapper.run(q, (k_cache, v_cache))
+
+    def triton(**config):
+        decode = TritonDecode(heads, kv_heads, HEAD_DIM, page_size=PAGE, scale=1 / math.sqrt(HEAD_DIM), sliding_window=None,
+                              max_batch=batch, max_num_pages=num_pages, device="cuda", **config)  # fmt: skip
+        decode.plan(indptr_cpu, indices_cpu, last_cpu)
+        return decode
+
+    default = triton()
+    got = default.run(q, (k_cache, v_cache))
+    row = {
+        "flashinfer_us": replay_us(lambda: wrapper.run(q, (k_cache, v_cache))),
+        "triton_us": replay_us(lambda: default.run(q, (k_cache, v_cache))),
+        "max_diff": (got.float() - expected.float()).abs().max().item(),
+    }
+    if sweep:
+        row["sweep_us"] = {}
+        for config in SWEEP:
+            decode = triton(**config)
+            diff = (decode.run(q, (k_cache, v_cache)).float() - expected.float()).abs().max().item()
+            assert diff < 0.05, f"config {_label(config)} is off by {diff}"
+            row["sweep_us"][_label(config)] = replay_us(lambda d=decode: d.run(q, (k_cache, v_cache)))
+    return row
 
 
 if __name__ == "__main__":

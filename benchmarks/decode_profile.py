@@ -12,7 +12,8 @@ idle time between kernels). The replays run padding rows (one token of context e
 real requests of that many prompt tokens and profiles their steps. ``--without`` turns fused
 decode ops off for a side-by-side (``rms_norm_linear``, ``silu_and_mul_linear``,
 ``qkv_prepare``: the separate ops run; ``linear``: ``F.linear`` for every projection;
-``pdl``: the Triton kernels without programmatic dependent launch).
+``pdl``: the Triton kernels without programmatic dependent launch; ``triton_decode``: small
+decode batches on flashinfer's decode kernels instead of the Triton split-KV kernel).
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
@@ -134,36 +135,40 @@ def _profile(opts: argparse.Namespace, flags: dict[str, object], without: list[s
     return 0
 
 
-ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", "pdl")
+ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", "pdl", "triton_decode")
+SWITCHES = ("pdl", "triton_decode")  # module flags rather than registry ops
 
 
 @contextlib.contextmanager
 def _turned_off(ops: list[str]):
     """While inside, the kernel registry hands out the unfused choice for ``ops``: None for a
     fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
-    ``pdl``: the Triton kernels launched without programmatic dependent launch. Restored on exit."""
+    ``pdl``: the Triton kernels launched without programmatic dependent launch; ``triton_decode``:
+    every decode on flashinfer. Restored on exit."""
     from flotilla.kernels import registry
 
-    lookup = registry.get
-    triton_pdl = None
-    if "pdl" in ops:
-        from flotilla.kernels import triton_pdl
+    from flotilla.kernels import triton_decode_attention, triton_pdl
 
-        triton_pdl.ENABLED = False
+    lookup = registry.get
+    switches = {"pdl": triton_pdl, "triton_decode": triton_decode_attention}
+    before = {op: switches[op].ENABLED for op in SWITCHES}
+    for op in SWITCHES:
+        if op in ops:
+            switches[op].ENABLED = False
 
     def get(op: str, backend: str = "torch"):
         if op in ops:
             return lookup("linear", "torch") if op == "linear" else None
         return lookup(op, backend)
 
-    if any(op != "pdl" for op in ops):
+    if any(op not in SWITCHES for op in ops):
         registry.get = get
     try:
         yield
     finally:
         registry.get = lookup
-        if triton_pdl is not None:
-            triton_pdl.ENABLED = True
+        for op in SWITCHES:
+            switches[op].ENABLED = before[op]
 
 
 def _server_flags(rest: list[str]) -> dict[str, object]:

@@ -9,7 +9,12 @@ reused by every layer:
   head dims FA3 instantiates (64/128/256) and flashinfer's own choice elsewhere;
 - a pure decode step runs the paged decode wrapper; with ``graph_batch_size`` it runs that
   size's CUDA-graph decode wrapper, whose index buffers are fixed (``plan`` rewrites them,
-  OUTSIDE capture/replay, before each replay).
+  OUTSIDE capture/replay, before each replay);
+- except that a decode step of at most ``triton_decode_attention.MAX_BATCH`` sequences (graph
+  padding included) runs :class:`~flotilla.kernels.triton_decode_attention.TritonDecode`, a
+  split-KV Triton kernel launched as a programmatic dependent: at batch 1 flashinfer's decode
+  and merge kernels cost ~10 us per layer for a few hundred tokens of context (see that
+  module). ``FLOTILLA_TRITON_DECODE=0`` keeps every decode on flashinfer.
 
 Decode uses tensor cores (flashinfer's prefill kernels applied to one query row per
 sequence) when a KV head serves at least 4 query heads: the group's rows then fill an
@@ -72,11 +77,13 @@ class FlashInferStepPlan:
     """``meta.plan`` for flashinfer attention: the planned wrapper and what it was planned for.
 
     Attributes:
-        wrapper: a planned flashinfer prefill or decode wrapper (or MLA wrapper).
+        wrapper: a planned flashinfer prefill or decode wrapper (or MLA wrapper), or the
+            planner's :class:`~flotilla.kernels.triton_decode_attention.TritonDecode`.
         num_tokens: query rows every ``run`` of this step must pass.
         scale: the planned softmax scale.
         sliding_window: the planned window (None: whole context).
-        kind: ``"prefill"``, ``"decode"``, ``"graph-decode"`` or ``"mla"`` (diagnostics).
+        kind: ``"prefill"``, ``"decode"``, ``"graph-decode"``, ``"triton-decode"``,
+            ``"triton-graph-decode"`` or ``"mla"`` (diagnostics).
     """
 
     wrapper: Any
@@ -166,11 +173,13 @@ class FlashInferAttentionPlanner:
         # device asynchronously; the next plan waits for that copy (overlap scheduling plans a
         # step while the one before may still be queued).
         self._plan_copied = torch.cuda.Event()
-        if self.graph_batch_sizes:
+        self._triton_decode = _triton_decode(shape, self.device, block_size, max_num_pages)
+        flashinfer_graph_sizes = [size for size in self.graph_batch_sizes if not self._on_triton(size)]
+        if flashinfer_graph_sizes:
             # NOTE: padding sequences add one page each, beyond the real batch's max_num_pages.
             capacity = max_num_pages + self.graph_batch_sizes[-1]
             self._graph_indices = torch.zeros(capacity, dtype=torch.int32, device=self.device)
-            for size in self.graph_batch_sizes:
+            for size in flashinfer_graph_sizes:
                 self._graph_decode[size] = self._decode_wrapper(
                     paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
                     paged_kv_indices_buffer=self._graph_indices,
@@ -186,6 +195,10 @@ class FlashInferAttentionPlanner:
             backend="fa2",
             **graph_buffers,
         )
+
+    def _on_triton(self, batch: int) -> bool:
+        """Whether a decode step of ``batch`` sequences (padding included) runs on TritonDecode."""
+        return self._triton_decode is not None and batch <= self._triton_decode.max_batch
 
     def plan(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
         """Set ``meta.plan`` for this step (None for an empty step).
@@ -203,12 +216,15 @@ class FlashInferAttentionPlanner:
         shape = self.shape
         common = dict(q_data_type=shape.dtype, kv_data_type=shape.cache_dtype, o_data_type=shape.dtype)
         if graph_batch_size is not None:
-            wrapper = self._graph_decode.get(graph_batch_size)
-            if wrapper is None:
+            if graph_batch_size not in self.graph_batch_sizes:
                 raise ValueError(f"no CUDA-graph decode wrapper for graph_batch_size={graph_batch_size} (have {self.graph_batch_sizes})")
             if not meta.is_decode:
                 raise ValueError(f"graph_batch_size={graph_batch_size} needs a pure decode step (max_query_len={meta.max_query_len})")
             layout = step_layout(meta, pad_to=graph_batch_size, padding_page=self.padding_page)
+            if self._on_triton(graph_batch_size):
+                self._plan_triton(meta, layout, "triton-graph-decode")
+                return
+            wrapper = self._graph_decode[graph_batch_size]
             if layout.page_indices.shape[0] > self._graph_indices.shape[0]:
                 raise ValueError(
                     f"the step references {layout.page_indices.shape[0]} cache blocks; the CUDA-graph buffers hold "
@@ -223,6 +239,9 @@ class FlashInferAttentionPlanner:
         layout = step_layout(meta)
         if layout.num_seqs == 0:
             meta.plan = None
+            return
+        if meta.is_decode and self._on_triton(layout.num_seqs):
+            self._plan_triton(meta, layout, "triton-decode")
             return
         if meta.is_decode:
             self._plan_decode(self._decode, layout, layout.page_indices, common)
@@ -245,6 +264,11 @@ class FlashInferAttentionPlanner:
         )
         meta.plan = FlashInferStepPlan(self._prefill, layout.num_tokens, shape.scale, shape.sliding_window, "prefill")
 
+    def _plan_triton(self, meta: AttentionMetadata, layout: StepLayout, kind: str) -> None:
+        decode = self._triton_decode
+        decode.plan(layout.page_indptr, layout.page_indices, layout.last_page_len)
+        meta.plan = FlashInferStepPlan(decode, layout.num_seqs, self.shape.scale, self.shape.sliding_window, kind)
+
     def _plan_decode(self, wrapper, layout: StepLayout, indices: torch.Tensor, common: dict) -> None:
         shape = self.shape
         wrapper.plan(
@@ -259,6 +283,31 @@ class FlashInferAttentionPlanner:
             sm_scale=shape.scale,
             **common,
         )
+
+
+def _triton_decode(shape: AttentionShape, device: torch.device, block_size: int, max_num_pages: int):
+    """The :class:`~flotilla.kernels.triton_decode_attention.TritonDecode` that takes this
+    planner's small decode steps, or None where it does not apply (turned off, no Triton, a
+    head dim it does not instantiate)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from flotilla.kernels import triton_decode_attention as triton_decode
+    except ImportError:
+        return None  # NOTE: an optimization no flag names: without Triton every decode stays on flashinfer
+    if not triton_decode.ENABLED or shape.head_dim not in triton_decode.SUPPORTED_HEAD_DIMS:
+        return None
+    return triton_decode.TritonDecode(
+        shape.num_q_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        page_size=block_size,
+        scale=shape.scale,
+        sliding_window=shape.sliding_window,
+        max_batch=triton_decode.MAX_BATCH,
+        max_num_pages=max_num_pages,
+        device=device,
+    )
 
 
 def _check_shape(shape: AttentionShape) -> None:

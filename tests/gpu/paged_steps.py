@@ -63,9 +63,27 @@ def random_blocks(seq_lens, block_size, num_blocks, generator) -> list[list[int]
 
 
 @functools.lru_cache(maxsize=None)
-def planner_for(shape: AttentionShape, block_size: int, graph_batch_sizes=(), max_num_pages=4096):
+def planner_for(shape: AttentionShape, block_size: int, graph_batch_sizes=(), max_num_pages=4096, triton_decode=True):
+    """The flashinfer planner for ``shape``; ``triton_decode=False`` keeps small decode batches
+    on flashinfer's decode kernels too (``kernels/triton_decode_attention.py``'s switch)."""
+    from flotilla.kernels import triton_decode_attention
     from flotilla.kernels.registry import get
 
-    return get("attention_planner", "flashinfer")(
-        shape, "cuda", block_size=block_size, max_num_seqs=64, max_num_pages=max_num_pages, graph_batch_sizes=graph_batch_sizes
-    )
+    before = triton_decode_attention.ENABLED
+    triton_decode_attention.ENABLED = triton_decode
+    try:
+        return get("attention_planner", "flashinfer")(
+            shape, "cuda", block_size=block_size, max_num_seqs=64, max_num_pages=max_num_pages,
+            graph_batch_sizes=graph_batch_sizes,
+        )  # fmt: skip
+    finally:
+        triton_decode_attention.ENABLED = before
+
+
+def decode_kind(num_seqs: int, triton_decode: bool, graph: bool = False) -> str:
+    """The plan kind the flashinfer planner gives a decode step of ``num_seqs`` sequences
+    (padding included)."""
+    from flotilla.kernels import triton_decode_attention
+
+    on_triton = triton_decode and num_seqs <= triton_decode_attention.MAX_BATCH
+    return ("triton-" if on_triton else "") + ("graph-decode" if graph else "decode")

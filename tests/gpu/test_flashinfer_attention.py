@@ -4,7 +4,9 @@ prefill chunks after a cached prefix mixed with decodes, pure decode (last block
 partial, one token), one long prefill and one long decode (split-KV), GQA groups 1/3/4/8,
 head dims 64/128, blocks of 16 and 32, a sliding window, plans reused by two layers, and
 CUDA-graph decode replays (re-planned between replays, two graph sizes sharing buffers)
-against eager flashinfer and the reference.
+against eager flashinfer and the reference. Decode steps of at most
+``triton_decode_attention.MAX_BATCH`` sequences are planned on the Triton split-KV kernel by
+default; every decode case runs both on it and with it turned off (flashinfer's kernels).
 
 Float8 caches (``AttentionShape.kv_dtype``: e4m3fn over the whole bf16 grid and the graph
 decodes, e5m2 on the head-dim-128 configs): the caches hold random float8 values, the new K/V
@@ -38,7 +40,7 @@ import torch
 from flotilla.kernels.attention import AttentionMetadata, AttentionShape
 from flotilla.kernels.attention import paged_attention as torch_paged_attention
 from flotilla.kernels.kv_dtype import storage_view, to_cache_dtype
-from gpu.paged_steps import Step, build_step, planner_for, random_blocks
+from gpu.paged_steps import Step, build_step, decode_kind, planner_for, random_blocks
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -150,10 +152,17 @@ def run_case(shape: AttentionShape, batch, block_size, seed=0, layers=1) -> None
     num_blocks = blocks_needed(batch, block_size) + 8
     seq_lens = [c + n for c, n in zip(cached, new)]
     step = build_step(cached, new, block_size, random_blocks(seq_lens, block_size, num_blocks, cpu_generator))
-    planner = planner_for(shape, block_size)
-    planner.plan(step.meta)
-    expected_kind = "decode" if max(new) == 1 else "prefill"
-    assert step.meta.plan.kind == expected_kind, f"planned {step.meta.plan.kind}, expected {expected_kind}"
+    # NOTE: a small decode batch runs the Triton split-KV kernel by default; both kernels are checked.
+    for triton_decode in (True, False) if max(new) == 1 else (True,):
+        planner = planner_for(shape, block_size, triton_decode=triton_decode)
+        planner.plan(step.meta)
+        expected_kind = decode_kind(len(new), triton_decode) if max(new) == 1 else "prefill"
+        assert step.meta.plan.kind == expected_kind, f"planned {step.meta.plan.kind}, expected {expected_kind}"
+        run_layers(shape, step, num_blocks, block_size, generator, layers)
+
+
+def run_layers(shape, step, num_blocks, block_size, generator, layers) -> None:
+    """Run the planned step on ``layers`` layers' random caches and inputs, each checked."""
     attention = flashinfer_paged_attention()
     # NOTE: one plan, several layers (each its own caches and inputs), as in a forward pass.
     for layer in range(layers):
@@ -286,13 +295,14 @@ def decode_step(num_real: int, size: int, runner_pads: bool, block_size, num_blo
     return build_step(cached, new, block_size, blocks)
 
 
+@pytest.mark.parametrize("triton_decode", [True, False], ids=["triton-decode", "flashinfer-decode"])
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("runner_pads", [True, False], ids=["runner-pads", "planner-pads"])
 @pytest.mark.parametrize("config", ["bf16-32/8-d128", "bf16-9/3-d64"])
-def test_cuda_graph_decode_replays_match_eager_and_reference(config, runner_pads, kv_dtype):
+def test_cuda_graph_decode_replays_match_eager_and_reference(config, runner_pads, kv_dtype, triton_decode):
     block_size, num_blocks = 16, 8 * 44 + 8
     shape = make_shape(*CONFIGS[config], kv_dtype=kv_dtype)
-    planner = planner_for(shape, block_size, graph_batch_sizes=GRAPH_SIZES, max_num_pages=8 * 44)
+    planner = planner_for(shape, block_size, graph_batch_sizes=GRAPH_SIZES, max_num_pages=8 * 44, triton_decode=triton_decode)
     attention = flashinfer_paged_attention()
     generator = torch.Generator(device="cuda").manual_seed(1)
     cpu_generator = torch.Generator().manual_seed(1)
@@ -305,7 +315,7 @@ def test_cuda_graph_decode_replays_match_eager_and_reference(config, runner_pads
         step = decode_step(size - 1, size, runner_pads, block_size, num_blocks, cpu_generator)
         step.meta.slot_mapping = static_slots
         planner.plan(step.meta, graph_batch_size=size)
-        assert step.meta.plan.kind == "graph-decode"
+        assert step.meta.plan.kind == decode_kind(size, triton_decode, graph=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside capture (flashinfer's first-call setup)

@@ -1,0 +1,306 @@
+"""Paged decode attention for small batches in Triton: split-KV ("flash decoding") over the
+paged cache, each program serving one KV head's whole query group.
+
+Why: at batch 1 flashinfer's decode (its tensor-core prefill kernel applied to one query row,
+plus a merge kernel for the split-KV partials) takes ~8.3 + 1.7 us per layer on an H200 for a
+640-token context whose K/V are 2.6 MB (0.6 us of reading): 0.32 ms of the Llama-3.1-8B
+batch-1 decode step, more on the 48 layers of Qwen3-30B-A3B (``benchmarks/decode_profile.py``).
+The flashinfer planner (:mod:`flotilla.kernels.flashinfer_attention`) hands decode steps of at
+most :data:`MAX_BATCH` sequences to :class:`TritonDecode` instead.
+
+Two launches per layer, both programmatic dependents (:mod:`flotilla.kernels.triton_pdl`):
+
+1. ``_split_kernel``, grid ``(B, Hkv, S)``: program ``(b, h, s)`` takes the ``s``-th of ``S``
+   equal slices of sequence ``b``'s context (the part a sliding window leaves), scores the
+   ``G = Hq / Hkv`` query heads of KV head ``h`` against it in ``BLOCK_N``-token tiles (one MMA:
+   the group's rows padded to 16), and keeps an online softmax: the slice's running maximum
+   ``m`` and sum ``l`` (base 2) and its unnormalised output, written to float32 scratch. A
+   slice with no tokens (a short context) writes ``m = -inf``, ``l = 0``.
+2. ``_merge_kernel``, grid ``(B, Hq)``: rescales the ``S`` partials to their common maximum
+   and writes ``sum(acc) / sum(l)`` in the query dtype.
+
+``S`` is fixed per batch size (the grid is baked into a CUDA graph; contexts change between
+replays), chosen so that ``B * Hkv * S`` fills the GPU about once.
+
+Numerics (flashinfer's): q.k in float32 from the input dtype, the probabilities rounded to
+the input dtype for the P.V product (float32 accumulation), the output rounded once. A float8
+cache (scale 1.0, :mod:`flotilla.kernels.kv_dtype`) is widened to the query dtype as it loads
+(every e4m3/e5m2 value is exact in bf16 and fp16).
+
+Importing this module imports Triton (the flashinfer planner imports it only on CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flotilla.kernels.triton_pdl import launch_options, start_dependent
+
+# Decode steps of at most this many sequences run here; larger ones keep flashinfer, whose
+# tensor-core kernel wins once several sequences share a launch (measured on the H200 by
+# benchmarks/attention_probe.py; see docs/benchmarks.md).
+MAX_BATCH = 8
+# Turned off process-wide for side-by-side measurements (FLOTILLA_TRITON_DECODE=0, or
+# benchmarks/decode_profile.py --without triton_decode).
+ENABLED = os.environ.get("FLOTILLA_TRITON_DECODE", "1") != "0"
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Split programs one launch holds (about four per SM of an H100/H200): long contexts need
+# that many loads in flight; a short one fills only the first few splits (MIN_CHUNK).
+TARGET_PROGRAMS = 512
+MIN_CHUNK = 64
+MAX_SPLITS = 128
+_LOG2E = 1.4426950408889634
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def num_splits(batch: int, num_kv_heads: int, target_programs: int = TARGET_PROGRAMS) -> int:
+    """``S``: the power of two (1..:data:`MAX_SPLITS`) nearest below ``target_programs / (B * Hkv)``."""
+    want = max(1, target_programs // max(1, batch * num_kv_heads))
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """``a @ b`` accumulated in float32; ``DOT_F32`` widens the operands first (Triton's CPU
+    interpreter multiplies bf16 operands as raw bits)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _context_slices(indptr_ptr, last_len_ptr, seq, window, PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr,
+                    MIN_CHUNK: tl.constexpr):  # fmt: skip
+    """Sequence ``seq``'s first page, the first position it attends to (after the window), its
+    context length, the tokens per split and the number of splits that hold any."""
+    first_page = tl.load(indptr_ptr + seq)
+    pages = tl.load(indptr_ptr + seq + 1) - first_page
+    seq_len = (pages - 1) * PAGE_SIZE + tl.load(last_len_ptr + seq)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0)
+    # NOTE: slices of at least MIN_CHUNK tokens: a short context leaves the last splits empty
+    # (they exit at once and the merge skips them) rather than spreading a few tokens thin.
+    chunk = tl.maximum(tl.cdiv(seq_len - lo, SPLITS), MIN_CHUNK)
+    return first_page, lo, seq_len, chunk, tl.cdiv(seq_len - lo, chunk)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, indptr_ptr, last_len_ptr, indices_ptr, acc_ptr, ml_ptr,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # NOTE: the page layout was copied before the step's first kernel (a plain memcpy, which
+    # every later kernel waits for), so it may be read before waiting on the kernel before.
+    first_page, lo, seq_len, chunk, active = _context_slices(
+        indptr_ptr, last_len_ptr, seq, window, PAGE_SIZE, SPLITS, MIN_CHUNK
+    )
+    if split < active:  # NOTE: an empty split reads and writes nothing (so it need not wait)
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        start_dependent(PDL)  # q and the new token's K/V come from the kernel before
+        group = tl.arange(0, BLOCK_G)
+        dims = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + group
+        q = tl.load(
+            q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+            mask=(group < GROUP)[:, None],
+            other=0.0,
+        )
+        DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, HEAD_DIM), tl.float32)
+        tokens = tl.arange(0, BLOCK_N)
+        for tile in range(start, end, BLOCK_N):
+            position = tile + tokens
+            ok = position < end
+            page = tl.load(indices_ptr + first_page + position // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+            offset = position % PAGE_SIZE
+            k_rows = k_cache_ptr + page * stride_kb + offset * stride_ko + kv_head * stride_kh
+            k = tl.load(k_rows[:, None] + dims[None, :], mask=ok[:, None], other=0.0).to(DTYPE)
+            scores = _dot(q, tl.trans(k), DOT_F32) * scale_log2
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            v_rows = v_cache_ptr + page * stride_vb + offset * stride_vo + kv_head * stride_vh
+            v = tl.load(v_rows[:, None] + dims[None, :], mask=ok[:, None], other=0.0).to(DTYPE)
+            acc = acc * alpha[:, None] + _dot(p.to(DTYPE), v, DOT_F32)
+            m = m_new
+        # Partials of (seq, head, split): acc[..., HEAD_DIM] and (m, l), float32.
+        row = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * SPLITS + split
+        valid = group < GROUP
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=valid[:, None])
+        tl.store(ml_ptr + row * 2, m, mask=valid)
+        tl.store(ml_ptr + row * 2 + 1, l, mask=valid)
+
+
+@triton.jit
+def _merge_kernel(
+    acc_ptr, ml_ptr, out_ptr, indptr_ptr, last_len_ptr, window, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    active = _context_slices(indptr_ptr, last_len_ptr, seq, window, PAGE_SIZE, SPLITS, MIN_CHUNK)[4]
+    start_dependent(PDL)  # the partials come from the split kernel
+    splits = tl.arange(0, SPLITS)
+    used = splits < active  # NOTE: at least one: the newest token's split is never empty
+    rows = (seq * tl.num_programs(1) + head).to(tl.int64) * SPLITS + splits
+    m = tl.load(ml_ptr + rows * 2, mask=used, other=float("-inf"))
+    l = tl.load(ml_ptr + rows * 2 + 1, mask=used, other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=0))
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    dst = out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(dst, out.to(out_ptr.dtype.element_ty))
+
+
+class TritonDecode:
+    """Decode attention for up to ``max_batch`` sequences, planned once per step and run by
+    every layer; a stand-in for a planned flashinfer decode wrapper (``run(q, (k, v))``).
+
+    The page layout of the planned step lives in one int32 device buffer at offsets that
+    depend only on the batch size (``indptr[B+1] | last_page_len[B] | indices``), so a CUDA
+    graph captured at size ``B`` reads every later plan of that size. ``plan`` stages the
+    layout through a pinned host buffer: the caller must not re-plan before the previous
+    plan's copy has run (the flashinfer planner waits on an event for its own plans; the same
+    wait covers this one).
+
+    Args:
+        num_q_heads, num_kv_heads, head_dim: the rank's attention shape (``head_dim`` in
+            :data:`SUPPORTED_HEAD_DIMS`, ``num_q_heads`` a multiple of ``num_kv_heads``).
+        page_size: tokens per cache block.
+        scale: the softmax scale.
+        sliding_window: tokens a query sees, itself included (None: the whole context).
+        max_batch: the largest batch a plan may have (padding sequences included).
+        max_num_pages: the most cache blocks one plan references.
+        device: the CUDA device.
+        target_programs, block_n, min_chunk, num_warps, num_stages: launch tuning (split
+            programs one launch has, tokens per tile, the fewest tokens a split takes, the split
+            kernel's warps and pipeline stages);
+            the defaults are the measured best on the H200 (benchmarks/attention_probe.py).
+    """
+
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        page_size: int,
+        scale: float,
+        sliding_window: int | None,
+        max_batch: int,
+        max_num_pages: int,
+        device: torch.device | str,
+        target_programs: int = TARGET_PROGRAMS,
+        block_n: int | None = None,
+        min_chunk: int = MIN_CHUNK,
+        num_warps: int = 4,
+        num_stages: int = 2,
+    ) -> None:
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"TritonDecode supports head_dim in {SUPPORTED_HEAD_DIMS}, got head_dim={head_dim}")
+        if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if max_batch < 1 or max_num_pages < 1 or page_size < 1:
+            raise ValueError(
+                f"max_batch={max_batch}, max_num_pages={max_num_pages} and page_size={page_size} must be positive"
+            )
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.page_size, self.scale = page_size, float(scale)
+        self.window = 0 if sliding_window is None else int(sliding_window)
+        self.max_batch, self.device = max_batch, torch.device(device)
+        # NOTE: one plan's indices hold at most max_num_pages real blocks plus one per padding sequence.
+        capacity = 2 * max_batch + 1 + max_num_pages + max_batch
+        self._layout = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        self._staging = torch.zeros(capacity, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.target_programs, self.num_warps, self.num_stages = target_programs, num_warps, num_stages
+        self.block_n = block_n or _block_n(head_dim)
+        self.min_chunk = min_chunk
+        splits = num_splits(1, num_kv_heads, target_programs)
+        rows = max_batch * num_q_heads * splits
+        self._acc = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
+        self._ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+        self.batch = 0
+
+    def plan(self, page_indptr: torch.Tensor, page_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        """Stage one step's CPU page layout (int32: ``[B+1]``, ``[page_indptr[-1]]``, ``[B]``)
+        for the next ``run`` calls; asynchronous (no host sync)."""
+        batch = int(last_page_len.shape[0])
+        pages = int(page_indices.shape[0])
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"TritonDecode plans 1..{self.max_batch} sequences, got {batch}")
+        size = 2 * batch + 1 + pages
+        if size > self._layout.shape[0]:
+            raise ValueError(
+                f"the step references {pages} cache blocks; TritonDecode's buffer holds "
+                f"{self._layout.shape[0] - 2 * batch - 1} for a batch of {batch}"
+            )
+        staging = self._staging
+        staging[: batch + 1] = page_indptr
+        staging[batch + 1 : 2 * batch + 1] = last_page_len
+        staging[2 * batch + 1 : size] = page_indices
+        self._layout[:size].copy_(staging[:size], non_blocking=True)
+        self.batch = batch
+
+    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention of ``q[B, Hq, D]`` (one query per planned sequence, the newest token of
+        its context, whose K/V are already in the caches) over the caches
+        ``[num_blocks, page_size, Hkv, D]``; returns ``[B, Hq, D]`` in ``q``'s dtype.
+        CUDA-graph capturable (no sync, the output is the only allocation)."""
+        k_cache, v_cache = kv_cache
+        batch = self.batch
+        if q.shape != (batch, self.num_q_heads, self.head_dim):
+            raise ValueError(
+                f"TritonDecode was planned for {batch} sequences of {self.num_q_heads} heads x {self.head_dim}; "
+                f"got q of shape {tuple(q.shape)}"
+            )
+        if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("TritonDecode needs a unit last stride on q and the caches")
+        if k_cache.shape[1] != self.page_size or k_cache.shape[2] != self.num_kv_heads:
+            raise ValueError(
+                f"caches of shape {tuple(k_cache.shape)} do not match page_size={self.page_size}, "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        group = self.num_q_heads // self.num_kv_heads
+        splits = num_splits(batch, self.num_kv_heads, self.target_programs)
+        out = torch.empty_like(q)
+        layout = self._layout
+        options = launch_options(q.device)
+        _split_kernel[(batch, self.num_kv_heads, splits)](
+            q, k_cache, v_cache, layout, layout[batch + 1 :], layout[2 * batch + 1 :], self._acc, self._ml,
+            self.scale * _LOG2E, self.window,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=self.head_dim,
+            PAGE_SIZE=self.page_size, BLOCK_N=self.block_n, SPLITS=splits, MIN_CHUNK=self.min_chunk,
+            DOT_F32=_INTERPRETER,
+            num_warps=self.num_warps, num_stages=self.num_stages, **options,
+        )  # fmt: skip
+        _merge_kernel[(batch, self.num_q_heads)](
+            self._acc, self._ml, out, layout, layout[batch + 1 :], self.window, out.stride(0), out.stride(1),
+            HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size, SPLITS=splits, MIN_CHUNK=self.min_chunk, num_warps=min(8, max(2, self.head_dim * splits // 1024)), **options,
+        )  # fmt: skip
+        return out
+
+
+def _block_n(head_dim: int) -> int:
+    """Tokens per tile: 64 (32 at head dim 256, where a K tile is already 16 KB)."""
+    return 32 if head_dim > 128 else 64
