@@ -149,7 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--confirm-top", type=int, default=3, help="best tiles per kernel crossed at the end (default 3)")
     parser.add_argument("--compile-workers", type=int, default=None,
                         help="processes compiling in parallel (default min(8, CPUs - 1) on GPU, 0 in the smoke)")
-    parser.add_argument("--budget-s", type=float, default=300.0, help="no stage starts after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=270.0,
+                        help="no stage starts after this many seconds (default 270: a stage runs < 1 min)")
     parser.add_argument("--copy-bandwidth-tbps", type=float, default=4.28, help="for the floor in the report (H200)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-smoke", action="store_true", help="Triton interpreter on CPU: correctness and plumbing")
