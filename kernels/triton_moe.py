@@ -37,6 +37,7 @@ picks up with the ``triton`` ``fused_moe``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,8 @@ from flotilla.kernels.triton_pdl import launch_options, start_dependent
 from flotilla.kernels.triton_routing import route
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+# NOTE: Triton's interpreter runs the kernels on CPU tensors (to check tile configs without a GPU).
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class MoEConfig:
 
 # Keyed by the largest expected rows per active expert each entry serves (ascending).
 # NOTE: decode (1-16 rows per expert) is bound by reading each active expert's weights once:
-# many narrow programs keep every SM streaming. Tune with /tmp/brief/warm_C.py on the GPU.
+# many narrow programs keep every SM streaming. Tune with benchmarks/moe_tile_probe.py on the GPU.
 # Measured on H200 at the Qwen3-30B-A3B shape (H 2048, I 768, 128 experts, top-8, CUDA graph):
 # batch 1 ~35 us/call (75.5 MB of weights, ~2.6 TB/s in the two GEMM kernels), batch 256
 # ~331 us/call (1.2 GB, ~3.6 TB/s). Tiles must divide 128 for the FP8 path (scale blocks).
@@ -281,7 +284,7 @@ def _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp
         raise ValueError(f"expert weights must be {weight_dtype}, got w13={w13.dtype}, w2={w2.dtype}")
     if w_fp8 and (w13.shape[1] // 2) % 128:
         raise ValueError(f"FP8 experts need moe_intermediate_size % 128 == 0 (scale blocks), got {w13.shape[1] // 2}")
-    if not hidden.is_cuda:
+    if not (hidden.is_cuda or _INTERPRETER):
         raise ValueError(f"the triton fused_moe needs CUDA tensors, got hidden on {hidden.device}")
     num_local, two_i, h = w13.shape
     if hidden.dim() != 2 or hidden.shape[1] != h or two_i % 2 or w2.shape != (num_local, h, two_i // 2):
