@@ -20,7 +20,13 @@ Two launches per layer, both programmatic dependents (:mod:`flotilla.kernels.tri
    and writes ``sum(acc) / sum(l)`` in the query dtype.
 
 ``S`` is fixed per batch size (the grid is baked into a CUDA graph; contexts change between
-replays), chosen so that ``B * Hkv * S`` fills the GPU about once.
+replays): ``B * Hkv * S`` is about :data:`TARGET_PROGRAMS`, four per SM, which long contexts
+need to keep enough loads in flight; a short context fills only its first slices (at least
+:data:`MIN_CHUNK` tokens each) and the empty programs exit at once.
+
+Measured on an H200 (docs/benchmarks.md, "Fifth pass"): 7.2-7.4 us against flashinfer's 9.7-10.0
+at batch 1 and 640 tokens, even with it at 8192 tokens and at batch 8; the batch-1 decode step of
+Llama-3.1-8B 4.218 ms against 4.275, of Qwen3-30B-A3B 3.237 against 3.328.
 
 Numerics (flashinfer's): q.k in float32 from the input dtype, the probabilities rounded to
 the input dtype for the P.V product (float32 accumulation), the output rounded once. A float8
@@ -40,9 +46,9 @@ import triton.language as tl
 
 from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
-# Decode steps of at most this many sequences run here; larger ones keep flashinfer, whose
-# tensor-core kernel wins once several sequences share a launch (measured on the H200 by
-# benchmarks/attention_probe.py; see docs/benchmarks.md).
+# Decode steps of at most this many sequences run here; larger ones keep flashinfer's
+# tensor-core kernel (batch 8 was still even or better here in benchmarks/attention_probe.py
+# on the H200; larger batches were not measured with these settings).
 MAX_BATCH = 8
 # Turned off process-wide for side-by-side measurements (FLOTILLA_TRITON_DECODE=0, or
 # benchmarks/decode_profile.py --without triton_decode).

@@ -91,12 +91,13 @@ def test_fp16_and_activations(activation):
     _compare(got, _oracle(x, w13, w2, weights, ids, activation), f"fp16 {activation}")
 
 
-def test_odd_sizes_mask_the_tails():
+@pytest.mark.parametrize("tokens", [37, 1])  # 1: the single-token tiles (BLOCK_K 256)
+def test_odd_sizes_mask_the_tails(tokens):
     # H and I not multiples of any block size: the K loops' tails and the column tails.
     w13, w2 = _weights(6, 200, 72, torch.bfloat16)
-    x = torch.randn(37, 200, device="cuda").bfloat16()
-    weights, ids = _routing(37, 6, 3, seed=9)
-    _compare(_triton_moe()(x, w13, w2, weights, ids), _oracle(x, w13, w2, weights, ids), "odd sizes")
+    x = torch.randn(tokens, 200, device="cuda").bfloat16()
+    weights, ids = _routing(tokens, 6, 3, seed=9)
+    _compare(_triton_moe()(x, w13, w2, weights, ids), _oracle(x, w13, w2, weights, ids), f"odd sizes, {tokens} tokens")
 
 
 @pytest.mark.parametrize("tokens", [1, 300])
