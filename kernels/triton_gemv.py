@@ -34,6 +34,7 @@ from flotilla.kernels.registry import register
 from flotilla.kernels.triton_pdl import launch_options
 
 MAX_ROWS = 4  # the largest M this kernel is meant for; larger batches use cuBLAS
+MIN_PROGRAMS = 128  # programs a narrow output's GEMV aims for (see default_config)
 
 
 @triton.jit
@@ -163,8 +164,12 @@ def gemv_configs(n: int, k: int, m: int) -> list[dict[str, int]]:
 def default_config(n: int, k: int, m: int) -> dict[str, int]:
     """The launch configuration :func:`gemv` uses when none is given: the best of the
     H200 sweep for one row (8 columns a program, K in chunks of 1024, or 512 where 1024
-    does not divide K)."""
-    return {"BLOCK_N": 8, "BLOCK_K": 1024 if k % 1024 == 0 else 512, "num_warps": 4}
+    does not divide K). A narrow output (an MoE router's 64-128 experts) takes fewer columns
+    a program, down to 2, so that the weight is read by at least ~64 programs instead of 8-16."""
+    block_n = 8
+    while block_n > 2 and n // block_n < MIN_PROGRAMS:
+        block_n //= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": 1024 if k % 1024 == 0 else 512, "num_warps": 4}
 
 
 def norm_config(n: int, k: int) -> dict[str, int]:

@@ -4,7 +4,9 @@ Same signature and meaning as the torch reference (:func:`flotilla.kernels.moe.f
 ``w13[E_local, 2I, H]`` (gate rows, then up rows), ``w2[E_local, H, I]``, ``topk_ids[T, k]``
 global ids mapped through ``expert_map`` (``-1``: another rank computes that pair).
 
-How it runs (four launches, no host synchronisation, so it can be captured in a CUDA graph):
+How it runs (four launches, no host synchronisation, so it can be captured in a CUDA graph;
+one token skips the first: each of its k routes, k distinct experts, gets a row block of its
+own, its expert read from ``topk_ids`` through ``expert_map``):
 
 1. ``_route_kernel`` (one program, :func:`flotilla.kernels.triton_routing.route`): zeroes the
    per-expert counters, then each (token, k) pair ("route") gets its local expert and its
@@ -48,7 +50,7 @@ from flotilla.kernels.registry import register
 from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
 # NOTE: importing triton_routing also registers ("select_experts", "triton").
-from flotilla.kernels.triton_routing import route
+from flotilla.kernels.triton_routing import Routing, route
 
 _ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 # NOTE: Triton's interpreter runs the kernels on CPU tensors (to check tile configs without a GPU).
@@ -91,6 +93,9 @@ CONFIGS: list[tuple[int, MoEConfig]] = [
 # (floor 17.6 us at the copy bandwidth). BLOCK_K 256 does not divide the FP8 scale blocks,
 # so block-FP8 experts keep the table.
 SINGLE_TOKEN: MoEConfig | None = MoEConfig(16, 64, 256, 4, 3, 128, 256, 4, 3)
+# One token skips the routing launch: route j computes in row block j, its expert read from
+# topk_ids (see fused_moe_with_config). Off: the sort runs as for any batch.
+SINGLE_TOKEN_DIRECT = True
 
 
 def pick_config(num_routes: int, num_local_experts: int, num_tokens: int | None = None, w_fp8: bool = False) -> MoEConfig:
@@ -122,12 +127,34 @@ def _activate(gate, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _block_expert(block_expert_ptr, expert_map_ptr, pid_m, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr):
+    """The local expert of row block ``pid_m`` (-1: none here): from the routing sort, or with
+    ``DIRECT`` the block's route's global id (``block_expert_ptr`` is then ``topk_ids``) mapped
+    through ``expert_map`` when there is one."""
+    expert = tl.load(block_expert_ptr + pid_m)
+    if DIRECT and HAS_MAP:
+        expert = tl.load(expert_map_ptr + expert)
+    return expert
+
+
+@triton.jit
+def _block_routes(sorted_route_ptr, rows, pid_m, num_routes, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """The route each row of block ``pid_m`` computes (``num_routes``: a padding row): from the
+    routing sort, or with ``DIRECT`` (one token, no sort) route ``pid_m`` in the block's first row."""
+    if DIRECT:
+        return tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_routes)
+    else:
+        return tl.load(sorted_route_ptr + rows)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
     sorted_route_ptr,
     block_expert_ptr,
+    expert_map_ptr,
     num_routes,
     top_k,
     H,
@@ -147,16 +174,18 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_FP8: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_MAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_dependent(PDL)  # NOTE: first: the routing comes from the kernel before
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = _block_expert(block_expert_ptr, expert_map_ptr, pid_m, DIRECT, HAS_MAP)
     if expert < 0:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    route = tl.load(sorted_route_ptr + rows)
+    route = _block_routes(sorted_route_ptr, rows, pid_m, num_routes, BLOCK_M, DIRECT)
     row_ok = route < num_routes
     # NOTE: padding rows read token 0 and columns past I read column 0 (no load masks);
     # their results are never stored.
@@ -206,6 +235,7 @@ def _down_kernel(
     topk_weights_ptr,
     sorted_route_ptr,
     block_expert_ptr,
+    expert_map_ptr,
     num_routes,
     H,
     I,
@@ -223,19 +253,25 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     W_FP8: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_MAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_dependent(PDL)  # NOTE: first: the routing comes from the kernel before
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    route = tl.load(sorted_route_ptr + rows)
-    row_ok = route < num_routes
+    expert = _block_expert(block_expert_ptr, expert_map_ptr, pid_m, DIRECT, HAS_MAP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
+    if expert < 0:
+        if DIRECT:
+            # NOTE: route pid_m is another rank's; its row of `routed` is summed all the same
+            # (the sum kernel sees every route of the token as held), so it must hold zeros.
+            tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, tl.zeros((BLOCK_N,), tl.float32), mask=n_ok)
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = _block_routes(sorted_route_ptr, rows, pid_m, num_routes, BLOCK_M, DIRECT)
+    row_ok = route < num_routes
     cols = tl.where(n_ok, offs_n, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     # NOTE: padding rows of `inter` were never written; rows are independent in the product
@@ -363,9 +399,19 @@ def fused_moe_with_config(
         raise ValueError(f"FP8 experts need tiles dividing 128, got {cfg}")
     s13 = w13_scale_inv.float().contiguous() if w_fp8 else w13  # unused pointer when not FP8
     s2 = w2_scale_inv.float().contiguous() if w_fp8 else w2
-    routing = route(topk_ids, num_local, expert_map, cfg.block_m)
-    max_rows = routing.sorted_route.shape[0]
-    max_blocks = routing.block_expert.shape[0]
+    direct = num_tokens == 1 and SINGLE_TOKEN_DIRECT
+    if direct:
+        # NOTE: one token's k routes name k distinct experts: each route gets a row block of
+        # its own, its expert read from topk_ids (through expert_map). No routing launch, and
+        # no expert is read twice. route_expert=ids (global ids, never negative): the sum
+        # kernel adds every route; the down kernel writes zeros for another rank's.
+        ids = topk_ids.reshape(-1)
+        routing = Routing(sorted_route=ids, block_expert=ids, route_expert=ids, block_m=cfg.block_m)
+        max_blocks, max_rows = num_routes, num_routes * cfg.block_m
+    else:
+        routing = route(topk_ids, num_local, expert_map, cfg.block_m)
+        max_rows = routing.sorted_route.shape[0]
+        max_blocks = routing.block_expert.shape[0]
 
     inter = torch.empty(max_rows, inter_size, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(max_blocks, triton.cdiv(inter_size, cfg.block_n_1))](
@@ -374,6 +420,7 @@ def fused_moe_with_config(
         inter,
         routing.sorted_route,
         routing.block_expert,
+        expert_map if expert_map is not None else routing.block_expert,  # NOTE: read only with a map
         num_routes,
         top_k,
         h,
@@ -393,6 +440,8 @@ def fused_moe_with_config(
         BLOCK_K=cfg.block_k_1,
         EVEN_K=h % cfg.block_k_1 == 0,
         W_FP8=w_fp8,
+        DIRECT=direct,
+        HAS_MAP=expert_map is not None,
         num_warps=cfg.warps_1,
         num_stages=cfg.stages_1,
         **launch_options(hidden.device),
@@ -407,6 +456,7 @@ def fused_moe_with_config(
         weights,
         routing.sorted_route,
         routing.block_expert,
+        expert_map if expert_map is not None else routing.block_expert,
         num_routes,
         h,
         inter_size,
@@ -424,6 +474,8 @@ def fused_moe_with_config(
         BLOCK_K=cfg.block_k_2,
         EVEN_K=inter_size % cfg.block_k_2 == 0,
         W_FP8=w_fp8,
+        DIRECT=direct,
+        HAS_MAP=expert_map is not None,
         num_warps=cfg.warps_2,
         num_stages=cfg.stages_2,
         **launch_options(hidden.device),
