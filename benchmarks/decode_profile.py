@@ -145,16 +145,17 @@ def _turned_off(ops: list[str]):
     fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
     ``pdl``: the Triton kernels launched without programmatic dependent launch; ``triton_decode``:
     every decode on flashinfer. Restored on exit."""
+    import importlib
+
     from flotilla.kernels import registry
 
-    from flotilla.kernels import triton_decode_attention, triton_pdl
-
     lookup = registry.get
-    switches = {"pdl": triton_pdl, "triton_decode": triton_decode_attention}
-    before = {op: switches[op].ENABLED for op in SWITCHES}
-    for op in SWITCHES:
-        if op in ops:
-            switches[op].ENABLED = False
+    # NOTE: a switch's module imports Triton: import only the ones asked for (CPU runs have none).
+    modules = {"pdl": "triton_pdl", "triton_decode": "triton_decode_attention"}
+    switches = {op: importlib.import_module(f"flotilla.kernels.{modules[op]}") for op in SWITCHES if op in ops}
+    before = {op: module.ENABLED for op, module in switches.items()}
+    for module in switches.values():
+        module.ENABLED = False
 
     def get(op: str, backend: str = "torch"):
         if op in ops:
@@ -167,8 +168,8 @@ def _turned_off(ops: list[str]):
         yield
     finally:
         registry.get = lookup
-        for op in SWITCHES:
-            switches[op].ENABLED = before[op]
+        for op, module in switches.items():
+            module.ENABLED = before[op]
 
 
 def _server_flags(rest: list[str]) -> dict[str, object]:
