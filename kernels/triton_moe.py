@@ -402,9 +402,11 @@ def fused_moe_with_config(
     direct = num_tokens == 1 and SINGLE_TOKEN_DIRECT
     if direct:
         # NOTE: one token's k routes name k distinct experts: each route gets a row block of
-        # its own, its expert read from topk_ids (through expert_map). No routing launch, and
-        # no expert is read twice. route_expert=ids (global ids, never negative): the sum
-        # kernel adds every route; the down kernel writes zeros for another rank's.
+        # its own, its expert read from topk_ids (through expert_map). No routing launch; an
+        # expert is read once per route naming it (twice only for two replica slots mapped to
+        # one local row, which the sort would have merged). route_expert=ids (global ids, never
+        # negative): the sum kernel adds every route; the down kernel writes zeros for another
+        # rank's.
         ids = topk_ids.reshape(-1)
         routing = Routing(sorted_route=ids, block_expert=ids, route_expert=ids, block_m=cfg.block_m)
         max_blocks, max_rows = num_routes, num_routes * cfg.block_m
