@@ -192,17 +192,26 @@ def fold_case(device, dtype, hidden_size, inter, experts, top_k, seed, local=Non
     num_local = local or experts
     w13 = (torch.randn(num_local, 2 * inter, hidden_size, generator=gen) / hidden_size**0.5).to(dtype)
     w2 = (torch.randn(num_local, hidden_size, inter, generator=gen) / inter**0.5).to(dtype)
-    x = torch.randn(1, hidden_size, generator=gen).to(dtype)
-    weights, ids = torch.randn(1, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
     expert_map = None
     if local is not None:
         expert_map = torch.full((experts,), -1, dtype=torch.int64)
         expert_map[torch.randperm(experts, generator=gen)[:local]] = torch.randperm(local, generator=gen)
-        held = expert_map[ids[0]] >= 0
-        assert held.any() and not held.all(), f"seed {seed}: want local and remote routes, got {held.tolist()}"
         expert_map = expert_map.to(device)
-    return x.to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device), expert_map
+    x, weights, ids = one_token(device, dtype, hidden_size, experts, top_k, seed, expert_map)
+    return x, w13.to(device), w2.to(device), weights, ids, expert_map
+
+
+def one_token(device, dtype, hidden_size, experts, top_k, seed, expert_map=None):
+    """A token and its routes ``(x, weights, ids)``; with an ``expert_map``, checked to hold
+    both routes computed here and routes of another rank."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    x = torch.randn(1, hidden_size, generator=gen).to(dtype)
+    weights, ids = torch.randn(1, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    if expert_map is not None:
+        held = expert_map.cpu()[ids[0]] >= 0
+        assert held.any() and not held.all(), f"seed {seed}: want local and remote routes, got {held.tolist()}"
+    return x.to(device), weights.to(device), ids.to(device)
 
 
 def run_with_fold(fold, moe, *args):
@@ -218,26 +227,25 @@ def run_with_fold(fold, moe, *args):
 
 
 def check_folded_route_sum(device, dtype, hidden_size, inter, experts, top_k, local=None, calls=3, seed=0):
-    """``calls`` one-token calls in a row, each with new inputs: the folded route sum is
-    bit-identical to the separate route-sum kernel and matches the float32 oracle, and every
-    tile counter is back at 0 after each call (a leftover count would make the next call's
-    sum come early, from rows not yet written, or never)."""
+    """``calls`` one-token calls in a row (one weight set, a new token and new routes each):
+    the folded route sum is bit-identical to the separate route-sum kernel and matches the
+    float32 oracle, and every tile counter is back at 0 after each call (a leftover count
+    would make the next call's sum come early, from rows not yet written, or never)."""
     from flotilla.kernels import triton_moe
 
     moe = _triton_moe()
+    x, w13, w2, weights, ids, expert_map = fold_case(device, dtype, hidden_size, inter, experts, top_k, seed, local)
+    tiles = triton.cdiv(hidden_size, triton_moe.pick_config(top_k, w13.shape[0], 1).block_n_2)
     for call in range(calls):
-        x, w13, w2, weights, ids, expert_map = fold_case(device, dtype, hidden_size, inter, experts, top_k,
-                                                         seed + call, local)  # fmt: skip
+        if call:
+            x, weights, ids = one_token(device, dtype, hidden_size, experts, top_k, seed + call, expert_map)
         label = f"call {call}: H={hidden_size} I={inter} E={experts} k={top_k} local={local} {dtype}"
         unfolded = run_with_fold(False, moe, x, w13, w2, weights, ids, "silu", expert_map)
         folded = run_with_fold(True, moe, x, w13, w2, weights, ids, "silu", expert_map)
-        tiles = triton.cdiv(hidden_size, triton_moe.pick_config(top_k, w13.shape[0], 1).block_n_2)
         counters = triton_moe._TILE_COUNTERS[(folded.device, tiles)]
         assert not counters.any(), f"{label}: counters left at {counters.tolist()}"
         assert torch.equal(folded, unfolded), f"{label}: folded differs in {(folded != unfolded).sum().item()} values"
-        want = _oracle(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu(), "silu",
-                       None if expert_map is None else expert_map.cpu())  # fmt: skip
-        _compare(folded.cpu(), want, label)
+        _compare(folded, _oracle(x, w13, w2, weights, ids, "silu", expert_map), label)
 
 
 FOLD_SHAPES = {  # (hidden_size, inter, experts, top_k, local)
@@ -281,10 +289,9 @@ def test_folded_route_sum_in_a_cuda_graph():
         out = run_with_fold(True, moe, *args)
     counters = triton_moe._TILE_COUNTERS[(out.device, triton.cdiv(2048, triton_moe.SINGLE_TOKEN.block_n_2))]
     for replay in range(5):
-        gen = torch.Generator().manual_seed(100 + replay)
-        x.copy_(torch.randn(1, 2048, generator=gen).bfloat16())
-        new_weights, new_ids = torch.randn(1, 128, generator=gen).softmax(-1).topk(8, dim=-1)
-        weights.copy_(new_weights / new_weights.sum(-1, keepdim=True))
+        new_x, new_weights, new_ids = one_token("cuda", torch.bfloat16, 2048, 128, 8, 41 + replay, expert_map)
+        x.copy_(new_x)
+        weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
         torch.cuda.synchronize()
