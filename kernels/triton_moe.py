@@ -392,7 +392,6 @@ def _tile_counters(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
-
 def _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8=False) -> None:
     if activation not in _ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got activation={activation!r}")
