@@ -13,7 +13,9 @@ real requests of that many prompt tokens and profiles their steps. ``--without``
 decode ops off for a side-by-side (``rms_norm_linear``, ``silu_and_mul_linear``,
 ``qkv_prepare``: the separate ops run; ``linear``: ``F.linear`` for every projection;
 ``pdl``: the Triton kernels without programmatic dependent launch; ``triton_decode``: small
-decode batches on flashinfer's decode kernels instead of the Triton split-KV kernel).
+decode batches on flashinfer's decode kernels instead of the Triton split-KV kernel;
+``fold_route_sum``: one token's MoE route sum in its own launch; ``fold_merge``: the Triton
+decode's merge in its own launch).
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
@@ -135,8 +137,14 @@ def _profile(opts: argparse.Namespace, flags: dict[str, object], without: list[s
     return 0
 
 
-ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", "pdl", "triton_decode")
-SWITCHES = ("pdl", "triton_decode")  # module flags rather than registry ops
+# Module flags rather than registry ops: the flotilla.kernels module and its flag set False.
+SWITCHES = {
+    "pdl": ("triton_pdl", "ENABLED"),
+    "triton_decode": ("triton_decode_attention", "ENABLED"),
+    "fold_route_sum": ("triton_moe", "FOLD_ROUTE_SUM"),
+    "fold_merge": ("triton_decode_attention", "FOLD_MERGE"),
+}
+ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", *SWITCHES)
 
 
 @contextlib.contextmanager
@@ -144,18 +152,22 @@ def _turned_off(ops: list[str]):
     """While inside, the kernel registry hands out the unfused choice for ``ops``: None for a
     fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
     ``pdl``: the Triton kernels launched without programmatic dependent launch; ``triton_decode``:
-    every decode on flashinfer. Restored on exit."""
+    every decode on flashinfer; ``fold_route_sum``, ``fold_merge``: the launches those folds
+    remove. Restored on exit."""
     import importlib
 
     from flotilla.kernels import registry
 
     lookup = registry.get
     # NOTE: a switch's module imports Triton: import only the ones asked for (CPU runs have none).
-    modules = {"pdl": "triton_pdl", "triton_decode": "triton_decode_attention"}
-    switches = {op: importlib.import_module(f"flotilla.kernels.{modules[op]}") for op in SWITCHES if op in ops}
-    before = {op: module.ENABLED for op, module in switches.items()}
-    for module in switches.values():
-        module.ENABLED = False
+    switches = {
+        op: (importlib.import_module(f"flotilla.kernels.{SWITCHES[op][0]}"), SWITCHES[op][1])
+        for op in SWITCHES
+        if op in ops
+    }
+    before = {op: getattr(module, flag) for op, (module, flag) in switches.items()}
+    for module, flag in switches.values():
+        setattr(module, flag, False)
 
     def get(op: str, backend: str = "torch"):
         if op in ops:
@@ -168,8 +180,8 @@ def _turned_off(ops: list[str]):
         yield
     finally:
         registry.get = lookup
-        for op, module in switches.items():
-            module.ENABLED = before[op]
+        for op, (module, flag) in switches.items():
+            setattr(module, flag, before[op])
 
 
 def _server_flags(rest: list[str]) -> dict[str, object]:

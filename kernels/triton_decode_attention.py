@@ -8,16 +8,26 @@ batch-1 decode step, more on the 48 layers of Qwen3-30B-A3B (``benchmarks/decode
 The flashinfer planner (:mod:`flotilla.kernels.flashinfer_attention`) hands decode steps of at
 most :data:`MAX_BATCH` sequences to :class:`TritonDecode` instead.
 
-Two launches per layer, both programmatic dependents (:mod:`flotilla.kernels.triton_pdl`):
+Two launches per layer, both programmatic dependents (:mod:`flotilla.kernels.triton_pdl`),
+or one with the merge folded into the split kernel (:data:`FOLD_MERGE`, below):
 
 1. ``_split_kernel``, grid ``(B, Hkv, S)``: program ``(b, h, s)`` takes the ``s``-th of ``S``
    equal slices of sequence ``b``'s context (the part a sliding window leaves), scores the
    ``G = Hq / Hkv`` query heads of KV head ``h`` against it in ``BLOCK_N``-token tiles (one MMA:
    the group's rows padded to 16), and keeps an online softmax: the slice's running maximum
    ``m`` and sum ``l`` (base 2) and its unnormalised output, written to float32 scratch. A
-   slice with no tokens (a short context) writes ``m = -inf``, ``l = 0``.
+   slice with no tokens (a short context) reads and writes nothing; the merge skips it.
 2. ``_merge_kernel``, grid ``(B, Hq)``: rescales the ``S`` partials to their common maximum
    and writes ``sum(acc) / sum(l)`` in the query dtype.
+
+With the merge folded, each split program that holds tokens counts in on an int32 counter of
+its (sequence, KV head) after storing its partials; the one that brings it to the number of
+such splits merges the group's heads itself (``_merge_if_last``) and resets the counter, which
+:class:`TritonDecode` zeroes once at construction. That takes the merge launch off each
+layer's critical path; the merge of one KV head then runs in one program (its partials are
+``active * G * (D + 2) * 4`` bytes; Qwen3-30B-A3B's layout at batch 1, G = 8 and D = 128:
+40 KB at 640 tokens, 10 splits; 520 KB at 8192 tokens, 128 splits). The GPU tests and
+``benchmarks/attention_probe.py`` compare it with the merge launch.
 
 ``S`` is fixed per batch size (the grid is baked into a CUDA graph; contexts change between
 replays): ``B * Hkv * S`` is about :data:`TARGET_PROGRAMS`, four per SM, which long contexts
@@ -59,6 +69,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 TARGET_PROGRAMS = 512
 MIN_CHUNK = 64
 MAX_SPLITS = 128
+# The split kernel merges the partials itself (the last split program of each KV head), no
+# merge launch; False: the separate _merge_kernel, for an A/B. Read when a TritonDecode is built.
+FOLD_MERGE = True
+# The folded merge loads at most this many float32 partials per step (splits x heads x dims).
+MERGE_CHUNK_ELEMENTS = 8192
 _LOG2E = 1.4426950408889634
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -67,6 +82,14 @@ def num_splits(batch: int, num_kv_heads: int, target_programs: int = TARGET_PROG
     """``S``: the power of two (1..:data:`MAX_SPLITS`) nearest below ``target_programs / (B * Hkv)``."""
     want = max(1, target_programs // max(1, batch * num_kv_heads))
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+def merge_chunk(group: int, head_dim: int, splits: int) -> int:
+    """Splits the folded merge sums per step: the power of two, at most 8 and ``splits``, that
+    keeps ``chunk * next_pow2(group) * head_dim`` within :data:`MERGE_CHUNK_ELEMENTS`."""
+    per_split = triton.next_power_of_2(group) * head_dim
+    chunk = min(8, splits, max(1, MERGE_CHUNK_ELEMENTS // per_split))
+    return 1 << (chunk.bit_length() - 1)
 
 
 @triton.jit
@@ -99,10 +122,11 @@ def _context_slices(indptr_ptr, last_len_ptr, seq, window, PAGE_SIZE: tl.constex
 @triton.jit
 def _split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, indptr_ptr, last_len_ptr, indices_ptr, acc_ptr, ml_ptr,
-    scale_log2, window,
-    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    out_ptr, count_ptr, scale_log2, window,
+    stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
+    FOLD_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -152,6 +176,71 @@ def _split_kernel(
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=valid[:, None])
         tl.store(ml_ptr + row * 2, m, mask=valid)
         tl.store(ml_ptr + row * 2 + 1, l, mask=valid)
+        if FOLD_MERGE:
+            _merge_if_last(
+                acc_ptr, ml_ptr, out_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, seq, kv_head, active,
+                stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS, MERGE_G, MERGE_CHUNK,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge_if_last(
+    acc_ptr, ml_ptr, out_ptr, count_ptr, seq, kv_head, active, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """The folded merge: count this split program in on (seq, kv_head)'s counter; the program
+    that brings it to ``active`` (the splits holding tokens, each counting once) merges the
+    ``GROUP`` query heads of the KV head over those splits, ``_merge_kernel``'s math (weights
+    ``exp2(m - max m)``, ``sum(acc * w) / sum(l * w)``, float32; the acc sum runs in chunks of
+    ``MERGE_CHUNK`` splits to bound registers, so it rounds in another order than the merge
+    kernel's), writes the output and sets the counter back to 0 for the next layer or replay.
+
+    Memory ordering (the invariant; Triton's interpreter runs programs one at a time, so CPU
+    tests check the merge and the counting, not this):
+    - every thread stored its part of the partials before the barrier; one thread then runs the
+      scalar ``acq_rel`` atomic at GPU scope, whose release is cumulative over what the barrier
+      ordered before it;
+    - the last program's atomic acquires every earlier release on the counter (one release
+      sequence of read-modify-writes); Triton broadcasts its result through shared memory
+      behind a barrier, so every thread's loads come after the acquire, and they are ``.cg``
+      (L2, the coherence point), so no stale L1 line is read;
+    - the reset is a plain store: no program of this launch touches the counter after the
+      ``active``-th increment, and the next launch's increments come after its
+      ``griddepcontrol.wait`` (or stream order without PDL), i.e. after this launch completes.
+      Empty splits never touch the counter.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == active - 1:
+        group = tl.arange(0, MERGE_G)
+        valid = group < GROUP
+        # Row of split 0 of each head; split s of a head is row + s (layout of _split_kernel).
+        first = (seq * (GROUP * tl.num_programs(1)) + kv_head * GROUP + group).to(tl.int64) * SPLITS
+        splits = tl.arange(0, SPLITS)
+        used = valid[:, None] & (splits < active)[None, :]
+        ml = ml_ptr + (first[:, None] + splits[None, :]) * 2
+        m = tl.load(ml, mask=used, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(ml + 1, mask=used, other=0.0, cache_modifier=".cg")
+        # NOTE: padding heads (group >= GROUP) see no split; 0 keeps them finite (never stored).
+        m_max = tl.where(valid, tl.max(m, axis=1), 0.0)
+        l_sum = tl.where(valid, tl.sum(l * tl.exp2(m - m_max[:, None]), axis=1), 1.0)
+        dims = tl.arange(0, HEAD_DIM)
+        out = tl.zeros((MERGE_G, HEAD_DIM), tl.float32)
+        for c0 in range(0, active, MERGE_CHUNK):
+            chunk = c0 + tl.arange(0, MERGE_CHUNK)
+            in_chunk = valid[:, None] & (chunk < active)[None, :]
+            rows = first[:, None] + chunk[None, :]
+            m_c = tl.load(ml_ptr + rows * 2, mask=in_chunk, other=float("-inf"), cache_modifier=".cg")
+            weight = tl.exp2(m_c - m_max[:, None])
+            acc = tl.load(acc_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :], mask=in_chunk[:, :, None],
+                          other=0.0, cache_modifier=".cg")  # fmt: skip
+            out += tl.sum(acc * weight[:, :, None], axis=1)
+        out = out / l_sum[:, None]
+        heads = kv_head * GROUP + group
+        dst = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        tl.store(count_ptr, 0)
 
 
 @triton.jit
@@ -201,6 +290,11 @@ class TritonDecode:
             programs one launch has, tokens per tile, the fewest tokens a split takes, the split
             kernel's warps and pipeline stages);
             the defaults are the measured best on the H200 (benchmarks/attention_probe.py).
+        fold_merge: whether the split kernel merges the partials itself (no merge launch);
+            None: :data:`FOLD_MERGE`.
+
+    NOTE: the scratch partials and the folded merge's counters are the instance's own: one
+    instance's runs must not overlap (on two streams); a model runs its layers in order.
     """
 
     def __init__(
@@ -220,6 +314,7 @@ class TritonDecode:
         min_chunk: int = MIN_CHUNK,
         num_warps: int = 4,
         num_stages: int = 2,
+        fold_merge: bool | None = None,
     ) -> None:
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"TritonDecode supports head_dim in {SUPPORTED_HEAD_DIMS}, got head_dim={head_dim}")
@@ -244,6 +339,10 @@ class TritonDecode:
         rows = max_batch * num_q_heads * splits
         self._acc = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
         self._ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+        self.fold_merge = FOLD_MERGE if fold_merge is None else bool(fold_merge)
+        # NOTE: zeroed once; the folded merge's last program of each (seq, KV head) resets its
+        # counter, so every run (and graph replay) starts from zeros.
+        self._merge_counts = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=self.device)
         self.batch = 0
 
     def plan(self, page_indptr: torch.Tensor, page_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
@@ -292,14 +391,17 @@ class TritonDecode:
         options = launch_options(q.device)
         _split_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, layout, layout[batch + 1 :], layout[2 * batch + 1 :], self._acc, self._ml,
-            self.scale * _LOG2E, self.window,
+            out, self._merge_counts, self.scale * _LOG2E, self.window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=self.head_dim,
             PAGE_SIZE=self.page_size, BLOCK_N=self.block_n, SPLITS=splits, MIN_CHUNK=self.min_chunk,
-            DOT_F32=_INTERPRETER,
+            DOT_F32=_INTERPRETER, FOLD_MERGE=self.fold_merge, MERGE_G=triton.next_power_of_2(group),
+            MERGE_CHUNK=merge_chunk(group, self.head_dim, splits),
             num_warps=self.num_warps, num_stages=self.num_stages, **options,
         )  # fmt: skip
+        if self.fold_merge:
+            return out
         _merge_kernel[(batch, self.num_q_heads)](
             self._acc, self._ml, out, layout, layout[batch + 1 :], self.window, out.stride(0), out.stride(1),
             HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size, SPLITS=splits, MIN_CHUNK=self.min_chunk, num_warps=min(8, max(2, self.head_dim * splits // 1024)), **options,

@@ -6,7 +6,8 @@ global ids mapped through ``expert_map`` (``-1``: another rank computes that pai
 
 How it runs (four launches, no host synchronisation, so it can be captured in a CUDA graph;
 one token skips the first: each of its k routes, k distinct experts, gets a row block of its
-own, its expert read from ``topk_ids`` through ``expert_map``):
+own, its expert read from ``topk_ids`` through ``expert_map``; and, with
+:data:`FOLD_ROUTE_SUM`, the last, so one token takes two launches):
 
 1. ``_route_kernel`` (one program, :func:`flotilla.kernels.triton_routing.route`): zeroes the
    per-expert counters, then each (token, k) pair ("route") gets its local expert and its
@@ -19,6 +20,9 @@ own, its expert read from ``topk_ids`` through ``expert_map``):
 3. ``_down_kernel``: ``inter`` times the expert's down projection, scaled by each route's
    routing weight, written per route into ``routed[T*k, H]`` (float32).
 4. ``_sum_routes_kernel``: ``out[t] = sum_j routed[t*k + j]`` over the routes computed here.
+   One token with :data:`FOLD_ROUTE_SUM` folds this launch into the down kernel: the last of
+   the k route programs of each column tile sums the tile's k rows (see ``_sum_tile_if_last``),
+   in the same order, so the output is bit-identical to the separate launch.
 
 Buffers are sized from host integers only (``T*k + min(E, T*k) * (BLOCK_M - 1)`` rows, the
 most that padding can need), so the launch grid is fixed for a given batch size; blocks past
@@ -96,6 +100,9 @@ SINGLE_TOKEN: MoEConfig | None = MoEConfig(16, 64, 256, 4, 3, 128, 256, 4, 3)
 # One token skips the routing launch: route j computes in row block j, its expert read from
 # topk_ids (see fused_moe_with_config). Off: the sort runs as for any batch.
 SINGLE_TOKEN_DIRECT = True
+# With SINGLE_TOKEN_DIRECT, the down kernel also sums the token's k routes (the last program of
+# each column tile does it; no route-sum launch). Off: the separate _sum_routes_kernel, for an A/B.
+FOLD_ROUTE_SUM = True
 
 
 def pick_config(num_routes: int, num_local_experts: int, num_tokens: int | None = None, w_fp8: bool = False) -> MoEConfig:
@@ -248,6 +255,8 @@ def _down_kernel(
     stride_se,
     stride_sn,
     stride_sk,
+    sum_ptr,
+    tile_count_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -255,6 +264,7 @@ def _down_kernel(
     W_FP8: tl.constexpr,
     DIRECT: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    SUM_ROUTES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_dependent(PDL)  # NOTE: first: the routing comes from the kernel before
@@ -266,8 +276,11 @@ def _down_kernel(
     if expert < 0:
         if DIRECT:
             # NOTE: route pid_m is another rank's; its row of `routed` is summed all the same
-            # (the sum kernel sees every route of the token as held), so it must hold zeros.
+            # (the sum sees every route of the token as held), so it must hold zeros, and with
+            # SUM_ROUTES this program still counts in for its tile.
             tl.store(out_ptr + pid_m.to(tl.int64) * stride_om + offs_n, tl.zeros((BLOCK_N,), tl.float32), mask=n_ok)
+            if SUM_ROUTES > 0:
+                _sum_tile_if_last(out_ptr, sum_ptr, tile_count_ptr, pid_n, H, stride_om, BLOCK_N, SUM_ROUTES)
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     route = _block_routes(sorted_route_ptr, rows, pid_m, num_routes, BLOCK_M, DIRECT)
@@ -300,6 +313,43 @@ def _down_kernel(
     y = acc * weight[:, None]
     out_ptrs = out_ptr + route[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, y, mask=row_ok[:, None] & n_ok[None, :])
+    if SUM_ROUTES > 0:
+        _sum_tile_if_last(out_ptr, sum_ptr, tile_count_ptr, pid_n, H, stride_om, BLOCK_N, SUM_ROUTES)
+
+
+@triton.jit
+def _sum_tile_if_last(
+    routed_ptr, sum_ptr, tile_count_ptr, pid_n, H, stride_rm, BLOCK_N: tl.constexpr, SUM_ROUTES: tl.constexpr
+):
+    """One token's folded route sum (``DIRECT``; the down grid's ``SUM_ROUTES`` = k row blocks
+    are the token's k routes): count this program in on column tile ``pid_n``'s counter; the
+    program that brings it to k writes ``sum[0, tile] = sum_j routed[j, tile]`` (j = 0..k-1,
+    float32, rounded once: ``_sum_routes_kernel``'s exact operations, so bit-identical) and
+    sets the counter back to 0 for the next call or graph replay.
+
+    Memory ordering (the invariant; Triton's interpreter runs programs one at a time, so CPU
+    tests check the arithmetic and the counting, not this):
+    - every thread of the program stored its part of ``routed[j, tile]`` before the barrier;
+      one thread then runs the scalar ``acq_rel`` atomic at GPU scope, whose release is
+      cumulative over what the barrier ordered before it;
+    - the last program's atomic acquires every earlier release on that counter (they form one
+      release sequence of read-modify-writes), and Triton broadcasts the atomic's result to
+      the other threads through shared memory behind a barrier, so their loads come after the
+      acquire; the loads are ``.cg`` (L2, the coherence point) so no stale L1 line is read;
+    - the reset is a plain store: no program of this launch touches the counter after the
+      k-th increment, and the next launch that does runs after this one completes (stream
+      order, or ``griddepcontrol.wait`` under PDL, which every increment comes after).
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(tile_count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == SUM_ROUTES - 1:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(SUM_ROUTES):  # NOTE: unrolled: the k loads go out together
+            acc += tl.load(routed_ptr + j * stride_rm + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+        tl.store(sum_ptr + offs_n, acc.to(sum_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(tile_count_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -319,6 +369,27 @@ def _sum_routes_kernel(
 
 
 # --------------------------------------------------------------------------- host side
+
+# The folded route sum's per-column-tile counters, by (device, number of tiles): zeroed once
+# here, and back at zero after every call (the last program of each tile resets its counter),
+# so CUDA graphs captured after the first call hold these buffers for good.
+# NOTE: one buffer serves every call on a device: two folded calls must not run at the same
+# time (on two streams); the engine runs the model on one stream at a time.
+_TILE_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, count: int) -> torch.Tensor:
+    """The zeroed int32 counters of ``count`` down-kernel column tiles on ``device``."""
+    key = (device, count)
+    counters = _TILE_COUNTERS.get(key)
+    if counters is None:
+        counters = torch.zeros(count, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # NOTE: no call before the capture (the docstring asks for one): this buffer and
+            # its zeroing belong to the graph (replayed with it), so it is not kept here.
+            return counters
+        _TILE_COUNTERS[key] = counters
+    return counters
 
 
 def _check(hidden, w13, w2, topk_weights, topk_ids, activation, expert_map, w_fp8=False) -> None:
@@ -451,7 +522,10 @@ def fused_moe_with_config(
 
     routed = torch.empty(num_routes, h, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.reshape(-1)
-    _down_kernel[(max_blocks, triton.cdiv(h, cfg.block_n_2))](
+    down_tiles = triton.cdiv(h, cfg.block_n_2)
+    fold = direct and FOLD_ROUTE_SUM
+    tile_counts = _tile_counters(hidden.device, down_tiles) if fold else routed  # NOTE: read only when folding
+    _down_kernel[(max_blocks, down_tiles)](
         inter,
         w2,
         routed,
@@ -471,6 +545,8 @@ def fused_moe_with_config(
         s2.stride(0),
         s2.stride(-2),
         s2.stride(-1),
+        out,
+        tile_counts,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n_2,
         BLOCK_K=cfg.block_k_2,
@@ -478,10 +554,13 @@ def fused_moe_with_config(
         W_FP8=w_fp8,
         DIRECT=direct,
         HAS_MAP=expert_map is not None,
+        SUM_ROUTES=top_k if fold else 0,
         num_warps=cfg.warps_2,
         num_stages=cfg.stages_2,
         **launch_options(hidden.device),
     )
+    if fold:
+        return out
 
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_routes_kernel[(num_tokens, triton.cdiv(h, block_h))](

@@ -3,7 +3,11 @@ reference (kernels/attention.py, in float32 on the same inputs), on a CUDA GPU: 
 4 and 8, head dims 64, 128 and 256, pages of 1 and 16 tokens, batches of one short, one
 long and eight ragged contexts (a one-token context, contexts ending at a full page, one past
 it), a sliding window, float8 caches, re-planning between runs of one captured CUDA graph,
-and the flashinfer planner handing small decode batches to it.
+and the flashinfer planner handing small decode batches to it. The merge folded into the
+split kernel (the default, ``FOLD_MERGE``) against the merge launch: the same inputs called
+three times in a row with new queries (its counters must come back to zero), one-token and
+long contexts (up to every one of the 128 splits holding tokens), sliding windows, and CUDA
+graph replays with the counters checked after each.
 
 Run on a GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu/test_triton_decode_attention.py``.
 The check helpers take a ``device`` so that the same checks run under Triton's CPU
@@ -14,6 +18,17 @@ numerics): q.k accumulates in float32 from identical inputs, the probabilities a
 the input dtype for the P.V product and the output once, each rounding <= 2^-9 relative in
 bf16 (2^-11 in fp16) on outputs of |out| <~ 3: atol 1.5e-2 / 3e-3 with rtol of the same order,
 while a wrong page, mask, window or split merge is off by O(0.1-1).
+
+Folded against unfolded merge: identical partials, merged in float32 in another order (the
+fold sums the splits' outputs in chunks), so the outputs differ by float32 rounding (~1e-6
+here) carried through the final rounding: at most one output ulp (``rtol`` 2^-7 in bf16,
+2^-10 in fp16) or ``FOLD_ATOL`` absolute near zero; a missed or doubled split, a wrong head
+or a stale partial is off by O(0.01-1).
+
+The interpreter (tests/kernels/test_triton_folds_interpreted.py runs the fold checks with
+``device="cpu"``) runs one program at a time: it checks the merge arithmetic and the counting
+(which program merges, counters back at zero), not the memory ordering between concurrent
+programs, which only the CUDA runs exercise.
 """
 
 from __future__ import annotations
@@ -32,6 +47,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton")
 
 TOLERANCE = {torch.bfloat16: (1.5e-2, 1e-2), torch.float16: (3e-3, 3e-3)}
+FOLD_RTOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
+FOLD_ATOL = 1e-5
 
 # (num_q_heads, num_kv_heads, head_dim, dtype)
 CONFIGS = {
@@ -48,11 +65,21 @@ BATCHES = {
     "one-long": [4000],
     "ragged-8": [15, 16, 17, 200, 1, 1000, 63, 640],
 }
+# Contexts for the folded merge on top of BATCHES: one token, and long ones (at batch 1 a
+# 4-KV-head layout has 128 splits of >= 64 tokens: 9000 tokens fill 127 of them, 8192 all).
+FOLD_BATCHES = {
+    **BATCHES,
+    "one-token": [1],
+    "one-8192": [8192],
+    "one-9000": [9000],
+    "two-long-short": [5000, 1],
+}
 
 
-def decode_case(config, seq_lens, page_size, device, generator, kv_dtype=None, sliding_window=None):
+def decode_case(config, seq_lens, page_size, device, generator, kv_dtype=None, sliding_window=None, fold_merge=None):
     """Caches with random contexts, the step's metadata, the queries, the new K/V written, and
-    the float32 reference output."""
+    the float32 reference output; the TritonDecode planned for the step (``fold_merge``: its
+    argument, None for the module default)."""
     from flotilla.kernels.triton_decode_attention import TritonDecode
 
     hq, hkv, d, dtype = config
@@ -73,7 +100,7 @@ def decode_case(config, seq_lens, page_size, device, generator, kv_dtype=None, s
     reference = reference_output(q, k_cache, v_cache, step.meta, scale, sliding_window)
     decode = TritonDecode(
         hq, hkv, d, page_size=page_size, scale=scale, sliding_window=sliding_window, max_batch=max(8, batch),
-        max_num_pages=num_blocks, device=device,
+        max_num_pages=num_blocks, device=device, fold_merge=fold_merge,
     )  # fmt: skip
     decode.plan(step.meta.page_indptr, step.meta.page_indices, step.meta.last_page_len)
     return decode, q, (k_cache, v_cache), reference, step
@@ -97,6 +124,30 @@ def check_case(config, seq_lens, page_size, device, seed=0, kv_dtype=None, slidi
     torch.testing.assert_close(out.float().cpu(), reference.cpu(), atol=atol, rtol=rtol)
 
 
+def check_fold_matches_merge(config, seq_lens, page_size, device, seed=0, kv_dtype=None, sliding_window=None, calls=3):
+    """One step run ``calls`` times, each with new queries, by a TritonDecode that folds the
+    merge and by one that launches it: the folded output matches the merge kernel's (see the
+    module docstring) and the float32 reference, and every counter is 0 after each call."""
+    case = (config, seq_lens, page_size, device)
+    folded, q, caches, reference, step = decode_case(*case, torch.Generator().manual_seed(seed), kv_dtype,
+                                                     sliding_window, fold_merge=True)  # fmt: skip
+    unfolded = decode_case(*case, torch.Generator().manual_seed(seed), kv_dtype, sliding_window, fold_merge=False)[0]
+    assert folded.fold_merge and not unfolded.fold_merge
+    dtype = config[3]
+    generator = torch.Generator().manual_seed(seed + 1)
+    for call in range(calls):
+        if call:
+            q = torch.randn(q.shape, generator=generator).to(dtype).to(device)
+            reference = reference_output(q, *caches, step.meta, folded.scale, sliding_window)
+        got = folded.run(q, caches)
+        label = f"call {call}, contexts {seq_lens}, page {page_size}, window {sliding_window}"
+        assert not folded._merge_counts.any(), f"{label}: counters left at {folded._merge_counts.tolist()}"
+        explain = lambda m: f"{label}: {m}"  # noqa: E731
+        torch.testing.assert_close(got, unfolded.run(q, caches), atol=FOLD_ATOL, rtol=FOLD_RTOL[dtype], msg=explain)
+        atol, rtol = TOLERANCE[dtype]
+        torch.testing.assert_close(got.float().cpu(), reference.cpu(), atol=atol, rtol=rtol, msg=explain)
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -115,12 +166,33 @@ def test_float8_cache(config, kv_dtype):
     check_case(CONFIGS[config], BATCHES["ragged-8"], 1, "cuda", kv_dtype=kv_dtype)
 
 
-def test_graph_replays_follow_each_plan():
-    """One graph captured at batch 3 replays three different steps of 3 sequences, re-planned
-    (outside the graph) before each replay: each replay matches its own reference."""
+@pytest.mark.parametrize("batch", list(FOLD_BATCHES))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_folded_merge_matches_the_merge_launch(config, batch):
+    check_fold_matches_merge(CONFIGS[config], FOLD_BATCHES[batch], 16, "cuda")
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 256, 5000])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_folded_merge_sliding_window(page_size, sliding_window):
+    check_fold_matches_merge(CONFIGS["bf16-32/4-d128"], [9000, 1, 300, 4000, 17], page_size, "cuda",
+                             sliding_window=sliding_window)  # fmt: skip
+
+
+def test_folded_merge_float8_cache():
+    check_fold_matches_merge(CONFIGS["bf16-32/8-d128"], BATCHES["ragged-8"], 16, "cuda", kv_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("fold_merge", [True, False])
+def test_graph_replays_follow_each_plan(fold_merge):
+    """One graph captured at batch 3 replays four different steps of 3 sequences (up to 9000
+    tokens: every split in use), re-planned (outside the graph) before each, each step twice
+    into a zeroed output: each replay matches its own reference, and every counter of the
+    folded merge is back at 0 after each replay."""
     generator = torch.Generator().manual_seed(7)
     config = CONFIGS["bf16-32/4-d128"]
-    cases = [decode_case(config, lens, 1, "cuda", generator) for lens in ([5, 300, 2000], [2100, 1, 17], [64, 64, 65])]
+    steps = ([5, 300, 2000], [2100, 1, 17], [64, 64, 65], [9000, 8192, 1])
+    cases = [decode_case(config, lens, 1, "cuda", generator) for lens in steps]
     decode, q, caches, _, _ = cases[0]
     q_static = q.clone()
     k_all = torch.cat([c[2][0] for c in cases])  # one cache holding every case's blocks, offset per case
@@ -129,7 +201,7 @@ def test_graph_replays_follow_each_plan():
     for c in cases[:-1]:
         offsets.append(offsets[-1] + c[2][0].shape[0])
     decode = type(decode)(32, 4, 128, page_size=1, scale=1 / math.sqrt(128), sliding_window=None, max_batch=8,
-                          max_num_pages=k_all.shape[0], device="cuda")  # fmt: skip
+                          max_num_pages=k_all.shape[0], device="cuda", fold_merge=fold_merge)  # fmt: skip
     meta = cases[0][4].meta
     decode.plan(meta.page_indptr, meta.page_indices + offsets[0], meta.last_page_len)
     decode.run(q_static, (k_all, v_all))  # compile outside capture
@@ -140,9 +212,12 @@ def test_graph_replays_follow_each_plan():
     for (_, q, _, reference, step), offset in zip(cases, offsets):
         decode.plan(step.meta.page_indptr, step.meta.page_indices + offset, step.meta.last_page_len)
         q_static.copy_(q)
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out_static.float().cpu(), reference.cpu(), atol=1.5e-2, rtol=1e-2)
+        for _ in range(2):
+            out_static.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert not decode._merge_counts.any(), f"counters left at {decode._merge_counts.tolist()}"
+            torch.testing.assert_close(out_static.float().cpu(), reference.cpu(), atol=1.5e-2, rtol=1e-2)
 
 
 def test_flashinfer_planner_hands_small_decodes_to_triton():

@@ -5,6 +5,15 @@ float32 copies of those same values, so every difference comes from the kernels'
 roundings: the activated intermediate is rounded to the model dtype once (the reference in
 the model dtype rounds gate, up, their product and the down output), the output once.
 Both stay within ~2^-8 relative of the float32 result; the bounds below leave 2-4x room.
+
+One token's route sum folded into the down kernel (``triton_moe.FOLD_ROUTE_SUM``) does the
+separate route-sum kernel's float32 operations in its order, so folded and unfolded outputs
+must be bit-identical. The fold helpers take a ``device``, so the same checks run under
+Triton's CPU interpreter (``TRITON_INTERPRET=1``, float16: the 3.6 interpreter's bf16
+``tl.dot`` is wrong; tests/kernels/test_triton_folds_interpreted.py). The interpreter runs
+one program at a time, so there they check the arithmetic and the counting (which program
+sums, the counters back at zero), not the memory ordering between concurrent programs: that
+is what the CUDA runs below add.
 """
 
 import importlib
@@ -16,7 +25,7 @@ from flotilla.kernels import registry
 from flotilla.kernels.moe import fused_moe as torch_fused_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 REL_NORM_TOL = 1e-2  # ||got - want|| / ||want||
 ELEM_TOL = 2e-2  # |got - want| <= ELEM_TOL * (|want| + max|want| / 4)
@@ -169,6 +178,126 @@ def test_cuda_graph_capture_and_replay(batch):
         graph.replay()
         torch.cuda.synchronize()
         _compare(out.clone(), _oracle(x, w13, w2, weights, ids), f"graph replay batch={batch} seed={seed}")
+
+
+# --------------------------------------------------------------------------- one token: folded route sum
+
+
+def fold_case(device, dtype, hidden_size, inter, experts, top_k, seed, local=None):
+    """One token's inputs: ``(x, w13, w2, weights, ids, expert_map)``, weights scaled so
+    activations stay O(1). ``local``: this rank holds that many of the ``experts`` global
+    slots (a scrambled map; the others are another rank's), and the token is routed to both
+    kinds."""
+    gen = torch.Generator().manual_seed(seed)
+    num_local = local or experts
+    w13 = (torch.randn(num_local, 2 * inter, hidden_size, generator=gen) / hidden_size**0.5).to(dtype)
+    w2 = (torch.randn(num_local, hidden_size, inter, generator=gen) / inter**0.5).to(dtype)
+    expert_map = None
+    if local is not None:
+        expert_map = torch.full((experts,), -1, dtype=torch.int64)
+        expert_map[torch.randperm(experts, generator=gen)[:local]] = torch.randperm(local, generator=gen)
+        expert_map = expert_map.to(device)
+    x, weights, ids = one_token(device, dtype, hidden_size, experts, top_k, seed, expert_map)
+    return x, w13.to(device), w2.to(device), weights, ids, expert_map
+
+
+def one_token(device, dtype, hidden_size, experts, top_k, seed, expert_map=None):
+    """A token and its routes ``(x, weights, ids)``; with an ``expert_map``, checked to hold
+    both routes computed here and routes of another rank."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    x = torch.randn(1, hidden_size, generator=gen).to(dtype)
+    weights, ids = torch.randn(1, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    if expert_map is not None:
+        held = expert_map.cpu()[ids[0]] >= 0
+        assert held.any() and not held.all(), f"seed {seed}: want local and remote routes, got {held.tolist()}"
+    return x.to(device), weights.to(device), ids.to(device)
+
+
+def run_with_fold(fold, moe, *args):
+    """``moe(*args)`` with ``triton_moe.FOLD_ROUTE_SUM`` set to ``fold`` (restored after)."""
+    from flotilla.kernels import triton_moe
+
+    before = triton_moe.FOLD_ROUTE_SUM
+    triton_moe.FOLD_ROUTE_SUM = fold
+    try:
+        return moe(*args)
+    finally:
+        triton_moe.FOLD_ROUTE_SUM = before
+
+
+def check_folded_route_sum(device, dtype, hidden_size, inter, experts, top_k, local=None, calls=3, seed=0):
+    """``calls`` one-token calls in a row (one weight set, a new token and new routes each):
+    the folded route sum is bit-identical to the separate route-sum kernel and matches the
+    float32 oracle, and every tile counter is back at 0 after each call (a leftover count
+    would make the next call's sum come early, from rows not yet written, or never)."""
+    from flotilla.kernels import triton_moe
+
+    moe = _triton_moe()
+    x, w13, w2, weights, ids, expert_map = fold_case(device, dtype, hidden_size, inter, experts, top_k, seed, local)
+    tiles = triton.cdiv(hidden_size, triton_moe.pick_config(top_k, w13.shape[0], 1).block_n_2)
+    for call in range(calls):
+        if call:
+            x, weights, ids = one_token(device, dtype, hidden_size, experts, top_k, seed + call, expert_map)
+        label = f"call {call}: H={hidden_size} I={inter} E={experts} k={top_k} local={local} {dtype}"
+        unfolded = run_with_fold(False, moe, x, w13, w2, weights, ids, "silu", expert_map)
+        folded = run_with_fold(True, moe, x, w13, w2, weights, ids, "silu", expert_map)
+        counters = triton_moe._TILE_COUNTERS[(folded.device, tiles)]
+        assert not counters.any(), f"{label}: counters left at {counters.tolist()}"
+        assert torch.equal(folded, unfolded), f"{label}: folded differs in {(folded != unfolded).sum().item()} values"
+        _compare(folded, _oracle(x, w13, w2, weights, ids, "silu", expert_map), label)
+
+
+FOLD_SHAPES = {  # (hidden_size, inter, experts, top_k, local)
+    "qwen3-30b-a3b": (2048, 768, 128, 8, None),
+    "odd-tails": (200, 72, 6, 3, None),  # H, I multiples of no block size: column and K tails
+    "ep-remote-routes": (512, 256, 64, 8, 16),  # routes held by another rank count in too
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(FOLD_SHAPES))
+def test_folded_route_sum_is_bit_identical(shape, dtype):
+    check_folded_route_sum("cuda", dtype, *FOLD_SHAPES[shape])
+
+
+def test_folded_route_sum_fp8_experts_is_bit_identical():
+    """Block-FP8 experts at one token take the fold too (the table's tiles)."""
+    from flotilla.kernels import fp8
+
+    importlib.import_module("flotilla.kernels.triton_fp8")
+    moe = registry.get("fp8_grouped_moe", "triton")
+    x, w13, w2, weights, ids, _ = fold_case("cuda", torch.float32, 512, 256, 8, 2, seed=4)
+    (w13_q, w13_s), (w2_q, w2_s) = fp8.quantize_block_fp8(w13), fp8.quantize_block_fp8(w2)
+    args = (x.bfloat16(), w13_q, w13_s, w2_q, w2_s, weights, ids, "silu", None)
+    assert torch.equal(run_with_fold(True, moe, *args), run_with_fold(False, moe, *args))
+
+
+def test_folded_route_sum_in_a_cuda_graph():
+    """One graph captured with the fold (EP map: remote routes too), replayed five times with
+    a new token and new routes in its buffers: each replay equals the unfolded eager call bit
+    for bit, and the counters are back at 0 after each."""
+    from flotilla.kernels import triton_moe
+
+    moe = _triton_moe()
+    x, w13, w2, weights, ids, expert_map = fold_case("cuda", torch.bfloat16, 2048, 768, 128, 8, seed=40, local=64)
+    args = (x, w13, w2, weights, ids, "silu", expert_map)
+    run_with_fold(True, moe, *args)  # compile, and make the counters, outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_with_fold(True, moe, *args)
+    counters = triton_moe._TILE_COUNTERS[(out.device, triton.cdiv(2048, triton_moe.SINGLE_TOKEN.block_n_2))]
+    for replay in range(5):
+        new_x, new_weights, new_ids = one_token("cuda", torch.bfloat16, 2048, 128, 8, 41 + replay, expert_map)
+        x.copy_(new_x)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not counters.any(), f"replay {replay}: counters left at {counters.tolist()}"
+        want = run_with_fold(False, moe, *args)
+        assert torch.equal(out, want), f"replay {replay}: differs in {(out != want).sum().item()} values"
 
 
 # --------------------------------------------------------------------------- FP8 experts (weight-only)

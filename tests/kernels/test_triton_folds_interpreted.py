@@ -1,0 +1,100 @@
+"""The two launch folds of the batch-1 decode step under Triton's CPU interpreter: the MoE
+route sum folded into the down kernel (``triton_moe.FOLD_ROUTE_SUM``) and the decode-attention
+merge folded into the split kernel (``triton_decode_attention.FOLD_MERGE``), each against the
+unfolded launch it replaces and the torch reference, over several calls in a row.
+
+The checks are tests/gpu's (``check_folded_route_sum``, ``check_fold_matches_merge``; their
+tolerances are argued there), run with ``device="cpu"``. What this covers: the merge and sum
+arithmetic, which program does it (the one that brings the counter to the number of
+programs), routes held by another rank still counting, empty splits never counting, and the
+counters back at zero after every call. What it cannot: the interpreter runs one program at a
+time, so memory ordering between concurrent programs (the barrier, the ``acq_rel`` atomic, the
+``.cg`` loads) is only exercised by the CUDA runs in tests/gpu.
+
+Run (this venv has no Triton; /tmp/tritonsite is where this machine keeps a 3.6 copy):
+``PYTHONPATH=/tmp/tritonsite TRITON_INTERPRET=1 pytest tests/kernels/test_triton_folds_interpreted.py``.
+Without ``TRITON_INTERPRET=1`` (CI, or a GPU machine) every test here is skipped: the GPU tier
+runs the same checks on CUDA.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
+)
+pytest.importorskip("triton")
+
+# MoE shapes: (hidden_size, inter, experts, top_k, local); float16, the 3.6 interpreter's
+# bf16 tl.dot multiplies raw bits. Qwen3-30B-A3B's H and I with fewer experts (16 column tiles
+# of the down kernel, 8 routes), tails of no block size, and an expert map with remote routes.
+MOE_SHAPES = {
+    "qwen3-h-i": (2048, 768, 16, 8, None),
+    "odd-tails": (200, 72, 6, 3, None),
+    "ep-remote-routes": (512, 256, 64, 8, 16),
+}
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_folded_route_sum_is_bit_identical(shape):
+    from gpu.test_triton_moe import check_folded_route_sum
+
+    check_folded_route_sum("cpu", torch.float16, *MOE_SHAPES[shape], calls=3)
+
+
+def test_folded_route_sum_with_every_route_remote_writes_zeros():
+    """All k routes on another rank: every program stores zeros and still counts in, so the
+    last one writes a zero row (and resets the counters)."""
+    from flotilla.kernels import triton_moe
+    from gpu.test_triton_moe import fold_case, run_with_fold, _triton_moe
+
+    x, w13, w2, weights, ids, _ = fold_case("cpu", torch.float16, 256, 128, 8, 2, seed=1)
+    expert_map = torch.full((16,), -1, dtype=torch.int64)
+    expert_map[:8] = torch.arange(8)
+    got = run_with_fold(True, _triton_moe(), x, w13, w2, weights, ids + 8, "silu", expert_map)
+    assert torch.equal(got, torch.zeros_like(got))
+    assert not triton_moe._TILE_COUNTERS[(got.device, 2)].any()
+
+
+ATTENTION_CASES = {  # config name, contexts, page size
+    "one-token": ("bf16-32/4-d128", [1], 16),
+    "one-short": ("bf16-32/4-d128", [37], 1),
+    "ragged-8": ("bf16-32/4-d128", [15, 16, 17, 200, 1, 1000, 63, 640], 16),
+    "one-9000": ("bf16-32/4-d128", [9000], 16),  # 127 of 128 splits hold tokens: 16 merge chunks
+    "two-long-short": ("bf16-32/4-d128", [5000, 1], 16),
+    "group-3-d64": ("bf16-9/3-d64", [15, 1, 200, 3000], 1),
+    "mha-group-1": ("bf16-8/8-d128", [1, 700], 16),
+    "d256": ("bf16-16/2-d256", [1, 300, 2500], 16),  # merge chunks of 4 splits
+    "fp16": ("fp16-32/8-d128", [64, 65, 1], 16),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_folded_merge_matches_the_merge_launch(case):
+    from gpu.test_triton_decode_attention import CONFIGS, check_fold_matches_merge
+
+    config, seq_lens, page_size = ATTENTION_CASES[case]
+    check_fold_matches_merge(CONFIGS[config], seq_lens, page_size, "cpu", calls=3)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 256])
+def test_folded_merge_sliding_window(sliding_window):
+    from gpu.test_triton_decode_attention import CONFIGS, check_fold_matches_merge
+
+    check_fold_matches_merge(CONFIGS["bf16-32/4-d128"], [9000, 1, 300, 17], 16, "cpu", sliding_window=sliding_window)
+
+
+def test_merge_chunk_bounds_the_registers():
+    from flotilla.kernels.triton_decode_attention import MERGE_CHUNK_ELEMENTS, merge_chunk
+
+    assert merge_chunk(8, 128, 128) == 8  # Qwen3-30B-A3B: 8 heads x 128 dims x 8 splits
+    assert merge_chunk(4, 128, 64) == 8  # capped at 8
+    assert merge_chunk(8, 256, 32) == 4
+    assert merge_chunk(3, 64, 2) == 2  # no more than the splits
+    assert merge_chunk(64, 256, 128) == 1
+    for group, dim in [(1, 64), (3, 64), (8, 128), (16, 256)]:
+        chunk = merge_chunk(group, dim, 128)
+        loaded = chunk * 2 ** (group - 1).bit_length() * dim  # float32 partials per chunk (heads padded)
+        assert chunk & (chunk - 1) == 0 and (chunk == 1 or loaded <= MERGE_CHUNK_ELEMENTS), (group, dim, chunk)
