@@ -5,6 +5,11 @@ timed as CUDA-graph replays with the weight rotated through enough copies to def
 cache (as in ``gemv_probe.py``).
 
     python benchmarks/fused_probe.py [--json OUT]
+    python benchmarks/fused_probe.py --shapes qwen3-30b-a3b [--json OUT]
+
+``--shapes qwen3-30b-a3b`` times the Qwen3-30B-A3B attention-side projections instead (the
+norm + q/k/v GEMV, the o GEMV, the router GEMV; K = 2048 or 4096) over a wider grid of
+launch configurations, with PDL only, and no layer chain.
 
 Every kernel row is measured with the Triton kernels launched as programmatic dependents
 (``kernels/triton_pdl.py``, the default on SM90) and again without (``(no pdl)``); ``layer`` chains
@@ -36,6 +41,16 @@ from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a scrip
 
 NORM_SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096)}
 SILU_SHAPES = {"down": (4096, 14336)}
+# Qwen3-30B-A3B (hidden 2048, 32 q / 4 kv heads of 128, 128 experts): norm + q/k/v, then plain GEMVs.
+QWEN_MOE_NORM_SHAPES = {"qkv": (5120, 2048)}
+QWEN_MOE_PLAIN_SHAPES = {"o": (2048, 4096), "router": (128, 2048)}
+WIDE_CONFIGS = [
+    {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+    for bn in (2, 4, 8)
+    for bk in (512, 1024, 2048, 4096)
+    for warps in (4, 8)
+    if bn * bk <= 8192
+]
 L2_DEFEAT_BYTES = 512 << 20
 CONFIGS = [
     {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
@@ -57,7 +72,7 @@ def _timed(fn, label: str, row: dict[str, float]) -> None:
         print(f"  {label}: {type(exc).__name__}: {str(exc)[:100]}")
 
 
-def probe_norm(n: int, k: int) -> dict[str, float]:
+def probe_norm(n: int, k: int, configs: list[dict[str, int]] = CONFIGS) -> dict[str, float]:
     from flotilla.kernels import registry
     from flotilla.kernels.triton_gemv import gemv, rms_norm_gemv
 
@@ -76,10 +91,31 @@ def probe_norm(n: int, k: int) -> dict[str, float]:
     _timed(lambda: F.linear(norm(x, g, 1e-5, residual)[0], nxt()), "separate_cublas", row)
     _timed(lambda: gemv(norm(x, g, 1e-5, residual)[0], nxt()), "separate_gemv", row)
     _timed(lambda: F.linear(x, nxt()), "cublas_alone", row)
-    for cfg in CONFIGS:
+    for cfg in configs:
         tag = f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}"
         _timed(lambda: rms_norm_gemv(x, residual, g, 1e-5, nxt(), config=cfg), f"fused[{tag}]", row)
     _timed(lambda: rms_norm_gemv(x, residual, g, 1e-5, nxt()), "fused_default", row)
+    return row
+
+
+def probe_plain(n: int, k: int, configs: list[dict[str, int]] = WIDE_CONFIGS) -> dict[str, float]:
+    """A plain one-row GEMV: cuBLAS, the Triton GEMV's default, and each launch configuration
+    (labelled ``fused[...]`` like the other probes' kernel rows, so the summary ranks them)."""
+    from flotilla.kernels.triton_gemv import gemv
+
+    weights, state = _rotating(n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def nxt() -> torch.Tensor:
+        state["i"] = (state["i"] + 1) % len(weights)
+        return weights[state["i"]]
+
+    row: dict[str, float] = {}
+    _timed(lambda: F.linear(x, nxt()), "cublas_alone", row)
+    _timed(lambda: gemv(x, nxt()), "gemv_default", row)
+    for cfg in configs:
+        tag = f"{cfg['BLOCK_N']}x{cfg['BLOCK_K']}w{cfg['num_warps']}"
+        _timed(lambda: gemv(x, nxt(), config=cfg), f"fused[{tag}]", row)
     return row
 
 
@@ -140,11 +176,19 @@ def probe_layer_chain() -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--shapes", choices=("llama-3.1-8b", "qwen3-30b-a3b"), default="llama-3.1-8b")
     opts = parser.parse_args(argv)
     from flotilla.kernels import triton_pdl
 
-    results: dict[str, dict[str, float]] = {"layer": probe_layer_chain()}
-    for pdl in (True, False):
+    results: dict[str, dict[str, float]] = {}
+    if opts.shapes == "qwen3-30b-a3b":
+        for name, (n, k) in QWEN_MOE_NORM_SHAPES.items():
+            results[name] = probe_norm(n, k, WIDE_CONFIGS)
+        for name, (n, k) in QWEN_MOE_PLAIN_SHAPES.items():
+            results[name] = probe_plain(n, k)
+    else:
+        results["layer"] = probe_layer_chain()
+    for pdl in (True, False) if opts.shapes == "llama-3.1-8b" else ():
         triton_pdl.ENABLED = pdl
         suffix = "" if pdl else " (no pdl)"
         for name, (n, k) in NORM_SHAPES.items():

@@ -37,7 +37,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (17, 300), (1000, 96), (5120, 2048), (128, 2048)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (17, 300), (1000, 96), (5120, 2048), (2048, 4096), (128, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_matches_the_float32_product(dtype, m, n, k, bias):
     gen = torch.Generator(device="cuda").manual_seed(n * 31 + k + m)
