@@ -84,7 +84,9 @@ class InputStaging:
         page_array = np.array(pages, dtype=np.int32)
         counts = np.diff(indptr_cpu.numpy()) if b > 1 else None
         width = int(counts.max()) if b > 1 else len(pages) or 1
-        head = input_ids + positions + slots + query_start + seq_lens + sample_index
+        # NOTE: ids | positions | slots | seq_lens lie back to back: a decode step's four CUDA
+        # graph inputs are then one [4, n] block, copied in one launch (CudaGraphs.run).
+        head = input_ids + positions + slots + seq_lens + query_start + sample_index
         end_head = len(head)
         host = self._host(end_head + b * width)
         host[:end_head] = head
@@ -94,8 +96,8 @@ class InputStaging:
             tables = host[end_head:].reshape(b, width)
             tables[:] = 0
             tables[np.arange(width) < counts[:, None]] = page_array
-        ids, pos, slot, starts, lens, sampled, table = self._to_device(host).split(
-            [t, t, t, b + 1, b, len(sample_index), b * width]
+        ids, pos, slot, lens, starts, sampled, table = self._to_device(host).split(
+            [t, t, t, b, b + 1, len(sample_index), b * width]
         )
         meta = AttentionMetadata(
             slot_mapping=slot,
