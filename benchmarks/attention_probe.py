@@ -6,12 +6,15 @@ and Qwen3-30B-A3B (32/4) head layouts, head dim 128, bf16, 16-token pages, timed
 replays of 20 back-to-back calls.
 
     python benchmarks/attention_probe.py [--json OUT] [--batches 1,2,4,8,16] [--kv-lens 256,640,2048,8192] [--sweep]
+        [--merge-group N]
 
 ``--sweep`` also times the Triton kernel over launch configurations
 (``programs/BLOCK_N/min chunk/stages``, see ``TritonDecode``'s tuning arguments). The Triton
-kernel is timed with its merge folded into the split kernel (the default) and with the
-separate merge launch (``fold_merge=False``): the fold's merge runs in one program per KV head,
-which long contexts may feel.
+kernel is timed with its merge folded into the split kernel (the default: two levels, groups
+of ``MERGE_GROUP`` splits then the groups), with the fold in one level (``merge_group`` of
+``MAX_SPLITS``: one program merges all of a KV head's splits, which long contexts feel) and with
+the separate merge launch (``fold_merge=False``). ``--merge-group`` times the default fold
+with another group size (a power of two; ``TritonDecode``'s ``merge_group``).
 
 Back-to-back calls of one kernel overlap a little more under programmatic dependent launch
 than the same kernel between a decode step's projections; the end-to-end side by side is
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--kv-lens", default="256,640,2048,8192")
     parser.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch configurations too")
+    parser.add_argument("--merge-group", type=int, default=None, help="splits per group of the folded merge")
     opts = parser.parse_args(argv)
     import flashinfer
 
@@ -52,11 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (int(b) for b in opts.batches.split(",")):
             for kv_len in (int(n) for n in opts.kv_lens.split(",")):
                 row = {"layout": layout, "batch": batch, "kv_len": kv_len,
-                       **_probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, opts.sweep)}  # fmt: skip
+                       **_probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, opts.sweep,
+                                 opts.merge_group)}  # fmt: skip
                 print(f"{layout:14} batch {batch:3} kv {kv_len:5}: flashinfer {row['flashinfer_us']:7.2f} us, "
                       f"triton {row['triton_us']:7.2f} us ({row['flashinfer_us'] / row['triton_us']:.2f}x, "
-                      f"max diff {row['max_diff']:.1e}), with the merge launch {row['triton_merge_launch_us']:7.2f} us "
-                      f"(diff {row['fold_max_diff']:.1e})", flush=True)  # fmt: skip
+                      f"max diff {row['max_diff']:.1e}), one-level fold {row['triton_one_level_us']:7.2f} us, "
+                      f"with the merge launch {row['triton_merge_launch_us']:7.2f} us (diff {row['fold_max_diff']:.1e})",
+                      flush=True)  # fmt: skip
                 if opts.sweep:
                     best = min(row["sweep_us"], key=row["sweep_us"].get)
                     print(f"    best config {best}: {row['sweep_us'][best]:.2f} us", flush=True)
@@ -79,7 +85,9 @@ def _label(config: dict[str, int]) -> str:
     return "{target_programs}/{block_n}/c{min_chunk}/s{num_stages}".format(**config)
 
 
-def _probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, sweep=False) -> dict:
+def _probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, sweep=False, merge_group=None) -> dict:
+    from flotilla.kernels.triton_decode_attention import MAX_SPLITS, MERGE_GROUP
+
     pages = (kv_len + PAGE - 1) // PAGE
     num_pages = batch * pages
     k_cache = torch.randn(num_pages, PAGE, kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -105,12 +113,14 @@ def _probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, 
         decode.plan(indptr_cpu, indices_cpu, last_cpu)
         return decode
 
-    default = triton()
+    default = triton(merge_group=merge_group or MERGE_GROUP)
+    one_level = triton(merge_group=MAX_SPLITS)
     merge_launch = triton(fold_merge=False)
     got = default.run(q, (k_cache, v_cache))
     row = {
         "flashinfer_us": replay_us(lambda: wrapper.run(q, (k_cache, v_cache))),
         "triton_us": replay_us(lambda: default.run(q, (k_cache, v_cache))),
+        "triton_one_level_us": replay_us(lambda: one_level.run(q, (k_cache, v_cache))),
         "triton_merge_launch_us": replay_us(lambda: merge_launch.run(q, (k_cache, v_cache))),
         "max_diff": (got.float() - expected.float()).abs().max().item(),
         "fold_max_diff": (got.float() - merge_launch.run(q, (k_cache, v_cache)).float()).abs().max().item(),

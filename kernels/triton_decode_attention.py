@@ -20,14 +20,19 @@ or one with the merge folded into the split kernel (:data:`FOLD_MERGE`, below):
 2. ``_merge_kernel``, grid ``(B, Hq)``: rescales the ``S`` partials to their common maximum
    and writes ``sum(acc) / sum(l)`` in the query dtype.
 
-With the merge folded, each split program that holds tokens counts in on an int32 counter of
-its (sequence, KV head) after storing its partials; the one that brings it to the number of
-such splits merges the group's heads itself (``_merge_if_last``) and resets the counter, which
-:class:`TritonDecode` zeroes once at construction. That takes the merge launch off each
-layer's critical path; the merge of one KV head then runs in one program (its partials are
-``active * G * (D + 2) * 4`` bytes; Qwen3-30B-A3B's layout at batch 1, G = 8 and D = 128:
-40 KB at 640 tokens, 10 splits; 520 KB at 8192 tokens, 128 splits). The GPU tests and
-``benchmarks/attention_probe.py`` compare it with the merge launch.
+With the merge folded, each split program that holds tokens merges after storing its partials,
+in two levels (``_fold_merge``), so that no program merges more than a bounded number of
+partials: level 1 over groups of :data:`MERGE_GROUP` consecutive splits (the last program of a
+group to count in on the group's int32 counter merges it), level 2 over the groups (the last
+level-1 merger to count in on the (sequence, KV head) counter). A context whose tokens fill one
+group stops at level 1, whose merger writes the output. The programs that merge reset the
+counters, which :class:`TritonDecode` zeroes once at construction. That takes the merge launch
+off each layer's critical path. A merging program reads ``rows * G * (D + 2) * 4`` bytes of
+partials; Qwen3-30B-A3B's layout at batch 1 (G = 8, D = 128, 4.2 KB a row): 42 KB at 640
+tokens (10 splits, one level); at 8192 tokens (128 splits) 67 KB for each group, then 33 KB for
+the 8 groups, where one merger read 532 KB (21.2 us against the merge launch's 11.7 on the
+H200). The GPU tests and ``benchmarks/attention_probe.py`` compare it with the merge launch
+(and, in the probe, with a single level).
 
 ``S`` is fixed per batch size (the grid is baked into a CUDA graph; contexts change between
 replays): ``B * Hkv * S`` is about :data:`TARGET_PROGRAMS`, four per SM, which long contexts
@@ -69,11 +74,23 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 TARGET_PROGRAMS = 512
 MIN_CHUNK = 64
 MAX_SPLITS = 128
-# The split kernel merges the partials itself (the last split program of each KV head), no
-# merge launch; False: the separate _merge_kernel, for an A/B. Read when a TritonDecode is built.
+# The split kernel merges the partials itself (the last split programs to finish, in two
+# levels: MERGE_GROUP), no merge launch; False: the separate _merge_kernel, for an A/B. Read
+# when a TritonDecode is built.
 FOLD_MERGE = True
 # The folded merge loads at most this many float32 partials per step (splits x heads x dims).
 MERGE_CHUNK_ELEMENTS = 8192
+# The folded merge runs in two levels: groups of this many consecutive splits, each merged by
+# its last program, then the groups merged by the last of those (one level when a context
+# fills one group). A merging program reads rows * G * (D + 2) * 4 bytes, 4.2 KB a row at
+# Qwen3-30B-A3B's G = 8, D = 128: level 1 reads at most MERGE_GROUP rows, level 2 at most
+# MAX_SPLITS / MERGE_GROUP, so 8 and 16 (either side of sqrt(128)) both bound the two merges
+# in a row to 67 + 33 KB, against 532 KB for one program at 128 splits (21.2 us at 8192
+# tokens, 11.7 with the merge launch). 16 keeps every context of up to 16 splits at one level
+# (1024 tokens at batch 1 with 64-token slices; every batch of 8 with 4 KV heads): the
+# single-merger cost measured at 640 tokens (6.2 us, the merge launch 7.3), to which a
+# second level would add a store and an atomic round trip. Power of two.
+MERGE_GROUP = 16
 _LOG2E = 1.4426950408889634
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -85,11 +102,19 @@ def num_splits(batch: int, num_kv_heads: int, target_programs: int = TARGET_PROG
 
 
 def merge_chunk(group: int, head_dim: int, splits: int) -> int:
-    """Splits the folded merge sums per step: the power of two, at most 8 and ``splits``, that
-    keeps ``chunk * next_pow2(group) * head_dim`` within :data:`MERGE_CHUNK_ELEMENTS`."""
+    """Partials the folded merge sums per step (splits at level 1, groups at level 2): the
+    power of two, at most 8 and ``splits``, that keeps ``chunk * next_pow2(group) * head_dim``
+    within :data:`MERGE_CHUNK_ELEMENTS`."""
     per_split = triton.next_power_of_2(group) * head_dim
     chunk = min(8, splits, max(1, MERGE_CHUNK_ELEMENTS // per_split))
     return 1 << (chunk.bit_length() - 1)
+
+
+def merge_groups(splits: int, merge_group: int = MERGE_GROUP) -> tuple[int, int]:
+    """The folded merge's split groups for ``S = splits``: (splits per group, groups), that is
+    ``(min(merge_group, S), S // that)``; both powers of two when ``S`` and ``merge_group`` are."""
+    per_group = min(merge_group, splits)
+    return per_group, splits // per_group
 
 
 @triton.jit
@@ -122,11 +147,12 @@ def _context_slices(indptr_ptr, last_len_ptr, seq, window, PAGE_SIZE: tl.constex
 @triton.jit
 def _split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, indptr_ptr, last_len_ptr, indices_ptr, acc_ptr, ml_ptr,
-    out_ptr, count_ptr, scale_log2, window,
+    out_ptr, count_ptr, group_count_ptr, scale_log2, window,
     stride_qt, stride_qh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
-    FOLD_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    FOLD_MERGE: tl.constexpr, MERGE_G: tl.constexpr, MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    GROUP_CHUNK: tl.constexpr, TOP_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -172,75 +198,144 @@ def _split_kernel(
             m = m_new
         # Partials of (seq, head, split): acc[..., HEAD_DIM] and (m, l), float32.
         row = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * SPLITS + split
-        valid = group < GROUP
-        tl.store(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=valid[:, None])
-        tl.store(ml_ptr + row * 2, m, mask=valid)
-        tl.store(ml_ptr + row * 2 + 1, l, mask=valid)
+        _store_partial(acc_ptr, ml_ptr, row, group < GROUP, m, l, acc, HEAD_DIM)
         if FOLD_MERGE:
-            _merge_if_last(
-                acc_ptr, ml_ptr, out_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, seq, kv_head, active,
-                stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS, MERGE_G, MERGE_CHUNK,
+            _fold_merge(
+                acc_ptr, ml_ptr, out_ptr, count_ptr, group_count_ptr, seq, kv_head, split, active,
+                stride_ot, stride_oh, GROUP, HEAD_DIM, SPLITS, MERGE_G, MERGE_GROUP, NUM_GROUPS,
+                GROUP_CHUNK, TOP_CHUNK,
             )  # fmt: skip
 
 
 @triton.jit
-def _merge_if_last(
-    acc_ptr, ml_ptr, out_ptr, count_ptr, seq, kv_head, active, stride_ot, stride_oh,
+def _fold_merge(
+    acc_ptr, ml_ptr, out_ptr, count_ptr, group_count_ptr, seq, kv_head, split, active, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, MERGE_G: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    MERGE_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_CHUNK: tl.constexpr, TOP_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """The folded merge: count this split program in on (seq, kv_head)'s counter; the program
-    that brings it to ``active`` (the splits holding tokens, each counting once) merges the
-    ``GROUP`` query heads of the KV head over those splits, ``_merge_kernel``'s math (weights
-    ``exp2(m - max m)``, ``sum(acc * w) / sum(l * w)``, float32; the acc sum runs in chunks of
-    ``MERGE_CHUNK`` splits to bound registers, so it rounds in another order than the merge
-    kernel's), writes the output and sets the counter back to 0 for the next layer or replay.
+    """The folded merge of (seq, kv_head), run by every split program that holds tokens after
+    storing its partials; two levels, so no program merges more than ``MERGE_GROUP`` partials
+    of each head (or ``NUM_GROUPS``, the groups of ``MERGE_GROUP`` consecutive splits).
 
-    Memory ordering (the invariant; Triton's interpreter runs programs one at a time, so CPU
-    tests check the merge and the counting, not this):
-    - every thread stored its part of the partials before the barrier; one thread then runs the
-      scalar ``acq_rel`` atomic at GPU scope, whose release is cumulative over what the barrier
+    Level 1: the program counts in on its group's counter; the one that brings it to the
+    group's splits holding tokens (``min(MERGE_GROUP, active - first split of the group)``)
+    merges them for the ``GROUP`` query heads (``_merge_rows``) and sets that counter back to 0.
+    If the sequence's tokens fill one group, it writes the output: one level, the cost of a
+    single merger. Otherwise (level 2) it stores the group's partial (max, sum, unnormalised
+    output) over the partials of the group's first split (every member has counted in, so
+    none is read again but by this program, and only before the barrier in front of the
+    store), then counts in on (seq, kv_head)'s counter; the one that brings it to the active
+    groups merges the group partials (rows ``MERGE_GROUP`` apart), writes the output and sets
+    that counter to 0. Both levels use ``_merge_kernel``'s math in float32 but add in another
+    order (in chunks, then per group), so the output rounds like the merge kernel's up to
+    float32 rounding.
+
+    Memory ordering (the invariant, the same at both levels; Triton's interpreter runs
+    programs one at a time, so CPU tests check the merging and counting, not this):
+    - every thread stored its part of what the next merger reads (the split's partials, or
+      the group partial) before the barrier in ``_count_in``; one thread then runs the scalar
+      ``acq_rel`` atomic at GPU scope, whose release is cumulative over what the barrier
       ordered before it;
-    - the last program's atomic acquires every earlier release on the counter (one release
+    - the merger's atomic acquires every earlier release on that counter (one release
       sequence of read-modify-writes); Triton broadcasts its result through shared memory
       behind a barrier, so every thread's loads come after the acquire, and they are ``.cg``
-      (L2, the coherence point), so no stale L1 line is read;
-    - the reset is a plain store: no program of this launch touches the counter after the
-      ``active``-th increment, and the next launch's increments come after its
-      ``griddepcontrol.wait`` (or stream order without PDL), i.e. after this launch completes.
-      Empty splits never touch the counter.
+      (L2, the coherence point), so no stale L1 line is read. A group partial overwrites its
+      first split's partials after the level-1 merger acquired them, so the level-2 merger,
+      acquiring the level-1 merger's release, reads the group partial;
+    - the resets are plain stores: no program of this launch touches a counter after its
+      last increment, and the next launch's increments come after its ``griddepcontrol.wait``
+      (or stream order without PDL), i.e. after this launch completes. Empty splits never
+      touch a counter, so each counter is 0 after every run (and graph replay) given that it
+      was 0 before: :class:`TritonDecode` zeroes them once.
     """
+    pair = seq * tl.num_programs(1) + kv_head
+    group_start = (split // MERGE_GROUP) * MERGE_GROUP
+    group_counter = group_count_ptr + pair * NUM_GROUPS + split // MERGE_GROUP
+    if _count_in(group_counter, tl.minimum(active - group_start, MERGE_GROUP)):
+        tl.store(group_counter, 0)
+        heads = tl.arange(0, MERGE_G)
+        valid = heads < GROUP
+        first = (pair * GROUP + heads).to(tl.int64) * SPLITS  # row of each head's split 0
+        members = tl.minimum(active - group_start, MERGE_GROUP)
+        m, l, acc = _merge_rows(acc_ptr, ml_ptr, first + group_start, valid, 1, members,
+                                HEAD_DIM, MERGE_G, MERGE_GROUP, GROUP_CHUNK)  # fmt: skip
+        if NUM_GROUPS == 1:
+            _store_output(out_ptr, seq, kv_head, acc, l, valid, stride_ot, stride_oh, GROUP, MERGE_G, HEAD_DIM)
+        elif active <= MERGE_GROUP:
+            _store_output(out_ptr, seq, kv_head, acc, l, valid, stride_ot, stride_oh, GROUP, MERGE_G, HEAD_DIM)
+        else:
+            # NOTE: every thread's loads of the first split's partials come before they are overwritten.
+            tl.debug_barrier()
+            _store_partial(acc_ptr, ml_ptr, first + group_start, valid, m, l, acc, HEAD_DIM)
+            groups = tl.cdiv(active, MERGE_GROUP)
+            if _count_in(count_ptr + pair, groups):
+                tl.store(count_ptr + pair, 0)
+                m, l, acc = _merge_rows(acc_ptr, ml_ptr, first, valid, MERGE_GROUP, groups,
+                                        HEAD_DIM, MERGE_G, NUM_GROUPS, TOP_CHUNK)  # fmt: skip
+                _store_output(out_ptr, seq, kv_head, acc, l, valid, stride_ot, stride_oh, GROUP, MERGE_G, HEAD_DIM)
+
+
+@triton.jit
+def _count_in(counter_ptr, expected):
+    """Count this program in on an int32 counter (after a barrier: what every thread stored
+    before is released with it); True for the program that brings it to ``expected``."""
     tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == active - 1:
-        group = tl.arange(0, MERGE_G)
-        valid = group < GROUP
-        # Row of split 0 of each head; split s of a head is row + s (layout of _split_kernel).
-        first = (seq * (GROUP * tl.num_programs(1)) + kv_head * GROUP + group).to(tl.int64) * SPLITS
-        splits = tl.arange(0, SPLITS)
-        used = valid[:, None] & (splits < active)[None, :]
-        ml = ml_ptr + (first[:, None] + splits[None, :]) * 2
-        m = tl.load(ml, mask=used, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(ml + 1, mask=used, other=0.0, cache_modifier=".cg")
-        # NOTE: padding heads (group >= GROUP) see no split; 0 keeps them finite (never stored).
-        m_max = tl.where(valid, tl.max(m, axis=1), 0.0)
-        l_sum = tl.where(valid, tl.sum(l * tl.exp2(m - m_max[:, None]), axis=1), 1.0)
-        dims = tl.arange(0, HEAD_DIM)
-        out = tl.zeros((MERGE_G, HEAD_DIM), tl.float32)
-        for c0 in range(0, active, MERGE_CHUNK):
-            chunk = c0 + tl.arange(0, MERGE_CHUNK)
-            in_chunk = valid[:, None] & (chunk < active)[None, :]
-            rows = first[:, None] + chunk[None, :]
-            m_c = tl.load(ml_ptr + rows * 2, mask=in_chunk, other=float("-inf"), cache_modifier=".cg")
-            weight = tl.exp2(m_c - m_max[:, None])
-            acc = tl.load(acc_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :], mask=in_chunk[:, :, None],
-                          other=0.0, cache_modifier=".cg")  # fmt: skip
-            out += tl.sum(acc * weight[:, :, None], axis=1)
-        out = out / l_sum[:, None]
-        heads = kv_head * GROUP + group
-        dst = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-        tl.store(count_ptr, 0)
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    return arrived == expected - 1
+
+
+@triton.jit
+def _store_partial(acc_ptr, ml_ptr, rows, valid, m, l, acc, HEAD_DIM: tl.constexpr):
+    """Store one partial per head: ``acc[rows, HEAD_DIM]`` and ``(m, l)`` at ``ml[rows, 2]``
+    (float32), heads where ``valid``."""
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=valid[:, None])
+    tl.store(ml_ptr + rows * 2, m, mask=valid)
+    tl.store(ml_ptr + rows * 2 + 1, l, mask=valid)
+
+
+@triton.jit
+def _merge_rows(
+    acc_ptr, ml_ptr, base, valid, stride, count,
+    HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Merge ``count`` (<= ``ROWS``) partials of each head, rows ``base + i * stride``:
+    returns their common maximum ``m``, ``sum(l * w)`` and ``sum(acc * w)`` with weights
+    ``w = exp2(m_i - m)``, float32, the output unnormalised (a partial itself). The acc sum
+    runs in chunks of ``CHUNK`` rows to bound registers. Loads are ``.cg`` (other programs
+    wrote these rows; see ``_fold_merge``)."""
+    index = tl.arange(0, ROWS)
+    used = valid[:, None] & (index < count)[None, :]
+    ml = ml_ptr + (base[:, None] + index[None, :] * stride) * 2
+    m = tl.load(ml, mask=used, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(ml + 1, mask=used, other=0.0, cache_modifier=".cg")
+    # NOTE: padding heads (not valid) see no row; 0 keeps them finite (never stored).
+    m_max = tl.where(valid, tl.max(m, axis=1), 0.0)
+    l_sum = tl.where(valid, tl.sum(l * tl.exp2(m - m_max[:, None]), axis=1), 1.0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros((MERGE_G, HEAD_DIM), tl.float32)
+    for c0 in range(0, count, CHUNK):
+        chunk = c0 + tl.arange(0, CHUNK)
+        in_chunk = valid[:, None] & (chunk < count)[None, :]
+        rows = base[:, None] + chunk[None, :] * stride
+        m_c = tl.load(ml_ptr + rows * 2, mask=in_chunk, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(m_c - m_max[:, None])
+        part = tl.load(acc_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :], mask=in_chunk[:, :, None],
+                       other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += tl.sum(part * weight[:, :, None], axis=1)
+    return m_max, l_sum, acc
+
+
+@triton.jit
+def _store_output(
+    out_ptr, seq, kv_head, acc, l, valid, stride_ot, stride_oh,
+    GROUP: tl.constexpr, MERGE_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Write ``acc / l`` of KV head ``kv_head``'s query heads in the output dtype."""
+    heads = kv_head * GROUP + tl.arange(0, MERGE_G)
+    dims = tl.arange(0, HEAD_DIM)
+    dst = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(dst, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -292,6 +387,8 @@ class TritonDecode:
             the defaults are the measured best on the H200 (benchmarks/attention_probe.py).
         fold_merge: whether the split kernel merges the partials itself (no merge launch);
             None: :data:`FOLD_MERGE`.
+        merge_group: splits per level-1 group of the folded merge (a power of two; default
+            :data:`MERGE_GROUP`; :data:`MAX_SPLITS` or more: one level, a single merger).
 
     NOTE: the scratch partials and the folded merge's counters are the instance's own: one
     instance's runs must not overlap (on two streams); a model runs its layers in order.
@@ -315,6 +412,7 @@ class TritonDecode:
         num_warps: int = 4,
         num_stages: int = 2,
         fold_merge: bool | None = None,
+        merge_group: int = MERGE_GROUP,
     ) -> None:
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"TritonDecode supports head_dim in {SUPPORTED_HEAD_DIMS}, got head_dim={head_dim}")
@@ -324,6 +422,8 @@ class TritonDecode:
             raise ValueError(
                 f"max_batch={max_batch}, max_num_pages={max_num_pages} and page_size={page_size} must be positive"
             )
+        if merge_group < 1 or merge_group & (merge_group - 1):
+            raise ValueError(f"merge_group must be a power of two (splits per merge group), got merge_group={merge_group}")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.page_size, self.scale = page_size, float(scale)
         self.window = 0 if sliding_window is None else int(sliding_window)
@@ -340,9 +440,15 @@ class TritonDecode:
         self._acc = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
         self._ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
         self.fold_merge = FOLD_MERGE if fold_merge is None else bool(fold_merge)
-        # NOTE: zeroed once; the folded merge's last program of each (seq, KV head) resets its
-        # counter, so every run (and graph replay) starts from zeros.
-        self._merge_counts = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=self.device)
+        self.merge_group = merge_group
+        # NOTE: the folded merge's counters, zeroed once: one per (seq, KV head), then one per
+        # (seq, KV head, split group); the program that brings a counter to its count resets
+        # it, so every run (and graph replay) starts from zeros. Sized for batch 1's splits, the
+        # most groups per KV head (a larger batch has no more splits, so no more groups).
+        pairs = max_batch * num_kv_heads
+        groups = merge_groups(splits, merge_group)[1]
+        self._merge_counts = torch.zeros(pairs * (1 + groups), dtype=torch.int32, device=self.device)
+        self._head_counts, self._group_counts = self._merge_counts[:pairs], self._merge_counts[pairs:]
         self.batch = 0
 
     def plan(self, page_indptr: torch.Tensor, page_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
@@ -386,18 +492,20 @@ class TritonDecode:
             )
         group = self.num_q_heads // self.num_kv_heads
         splits = num_splits(batch, self.num_kv_heads, self.target_programs)
+        per_group, groups = merge_groups(splits, self.merge_group)
         out = torch.empty_like(q)
         layout = self._layout
         options = launch_options(q.device)
         _split_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, layout, layout[batch + 1 :], layout[2 * batch + 1 :], self._acc, self._ml,
-            out, self._merge_counts, self.scale * _LOG2E, self.window,
+            out, self._head_counts, self._group_counts, self.scale * _LOG2E, self.window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=self.head_dim,
             PAGE_SIZE=self.page_size, BLOCK_N=self.block_n, SPLITS=splits, MIN_CHUNK=self.min_chunk,
             DOT_F32=_INTERPRETER, FOLD_MERGE=self.fold_merge, MERGE_G=triton.next_power_of_2(group),
-            MERGE_CHUNK=merge_chunk(group, self.head_dim, splits),
+            MERGE_GROUP=per_group, NUM_GROUPS=groups, GROUP_CHUNK=merge_chunk(group, self.head_dim, per_group),
+            TOP_CHUNK=merge_chunk(group, self.head_dim, groups),
             num_warps=self.num_warps, num_stages=self.num_stages, **options,
         )  # fmt: skip
         if self.fold_merge:

@@ -6,8 +6,11 @@ it), a sliding window, float8 caches, re-planning between runs of one captured C
 and the flashinfer planner handing small decode batches to it. The merge folded into the
 split kernel (the default, ``FOLD_MERGE``) against the merge launch: the same inputs called
 three times in a row with new queries (its counters must come back to zero), one-token and
-long contexts (up to every one of the 128 splits holding tokens), sliding windows, and CUDA
-graph replays with the counters checked after each.
+long contexts (up to every one of the 128 splits holding tokens: 8 groups of ``MERGE_GROUP``
+splits, merged in two levels), short and long contexts in one batch, group boundaries in
+1-token slices (one split short of a group, a full group, one past it, a ragged last group,
+every split), groups of 1 to 128 splits, sliding windows, and CUDA graph replays at batch 1
+and 3 with the counters checked after each.
 
 Run on a GPU machine: ``FLOTILLA_GPU_TESTS=1 pytest tests/gpu/test_triton_decode_attention.py``.
 The check helpers take a ``device`` so that the same checks run under Triton's CPU
@@ -20,8 +23,9 @@ bf16 (2^-11 in fp16) on outputs of |out| <~ 3: atol 1.5e-2 / 3e-3 with rtol of t
 while a wrong page, mask, window or split merge is off by O(0.1-1).
 
 Folded against unfolded merge: identical partials, merged in float32 in another order (the
-fold sums the splits' outputs in chunks), so the outputs differ by float32 rounding (~1e-6
-here) carried through the final rounding: at most one output ulp (``rtol`` 2^-7 in bf16,
+fold sums the splits' outputs in chunks and, past one group, per group and then over the
+groups, each group rescaled twice), so the outputs differ by float32 rounding (~1e-6 here)
+carried through the final rounding: at most one output ulp (``rtol`` 2^-7 in bf16,
 2^-10 in fp16) or ``FOLD_ATOL`` absolute near zero; a missed or doubled split, a wrong head
 or a stale partial is off by O(0.01-1).
 
@@ -73,13 +77,16 @@ FOLD_BATCHES = {
     "one-8192": [8192],
     "one-9000": [9000],
     "two-long-short": [5000, 1],
+    "four-mixed": [8192, 1, 3000, 700],  # 32 splits at 4 KV heads: two merge groups, one, two, one
 }
 
 
-def decode_case(config, seq_lens, page_size, device, generator, kv_dtype=None, sliding_window=None, fold_merge=None):
+def decode_case(config, seq_lens, page_size, device, generator, kv_dtype=None, sliding_window=None, fold_merge=None,
+                tuning=None):  # fmt: skip
     """Caches with random contexts, the step's metadata, the queries, the new K/V written, and
     the float32 reference output; the TritonDecode planned for the step (``fold_merge``: its
-    argument, None for the module default)."""
+    argument, None for the module default; ``tuning``: more keyword arguments, e.g.
+    ``target_programs``, ``min_chunk``, ``merge_group``)."""
     from flotilla.kernels.triton_decode_attention import TritonDecode
 
     hq, hkv, d, dtype = config
@@ -100,7 +107,7 @@ def decode_case(config, seq_lens, page_size, device, generator, kv_dtype=None, s
     reference = reference_output(q, k_cache, v_cache, step.meta, scale, sliding_window)
     decode = TritonDecode(
         hq, hkv, d, page_size=page_size, scale=scale, sliding_window=sliding_window, max_batch=max(8, batch),
-        max_num_pages=num_blocks, device=device, fold_merge=fold_merge,
+        max_num_pages=num_blocks, device=device, fold_merge=fold_merge, **(tuning or {}),
     )  # fmt: skip
     decode.plan(step.meta.page_indptr, step.meta.page_indices, step.meta.last_page_len)
     return decode, q, (k_cache, v_cache), reference, step
@@ -124,14 +131,17 @@ def check_case(config, seq_lens, page_size, device, seed=0, kv_dtype=None, slidi
     torch.testing.assert_close(out.float().cpu(), reference.cpu(), atol=atol, rtol=rtol)
 
 
-def check_fold_matches_merge(config, seq_lens, page_size, device, seed=0, kv_dtype=None, sliding_window=None, calls=3):
+def check_fold_matches_merge(config, seq_lens, page_size, device, seed=0, kv_dtype=None, sliding_window=None, calls=3,
+                             tuning=None):  # fmt: skip
     """One step run ``calls`` times, each with new queries, by a TritonDecode that folds the
-    merge and by one that launches it: the folded output matches the merge kernel's (see the
-    module docstring) and the float32 reference, and every counter is 0 after each call."""
+    merge and by one that launches it (both with ``tuning``, see ``decode_case``): the folded
+    output matches the merge kernel's (see the module docstring) and the float32 reference,
+    and every counter is 0 after each call."""
     case = (config, seq_lens, page_size, device)
     folded, q, caches, reference, step = decode_case(*case, torch.Generator().manual_seed(seed), kv_dtype,
-                                                     sliding_window, fold_merge=True)  # fmt: skip
-    unfolded = decode_case(*case, torch.Generator().manual_seed(seed), kv_dtype, sliding_window, fold_merge=False)[0]
+                                                     sliding_window, fold_merge=True, tuning=tuning)  # fmt: skip
+    unfolded = decode_case(*case, torch.Generator().manual_seed(seed), kv_dtype, sliding_window, fold_merge=False,
+                           tuning=tuning)[0]  # fmt: skip
     assert folded.fold_merge and not unfolded.fold_merge
     dtype = config[3]
     generator = torch.Generator().manual_seed(seed + 1)
@@ -172,6 +182,44 @@ def test_folded_merge_matches_the_merge_launch(config, batch):
     check_fold_matches_merge(CONFIGS[config], FOLD_BATCHES[batch], 16, "cuda")
 
 
+def many_splits(batch, num_kv_heads):
+    """Tuning for 1-token slices and MAX_SPLITS splits per (sequence, KV head): a context of
+    n <= MAX_SPLITS tokens fills exactly n splits."""
+    from flotilla.kernels.triton_decode_attention import MAX_SPLITS
+
+    return dict(target_programs=batch * num_kv_heads * MAX_SPLITS, min_chunk=1)
+
+
+def group_boundaries():
+    """Contexts at the folded merge's group boundaries under 1-token slices."""
+    from flotilla.kernels.triton_decode_attention import MAX_SPLITS, MERGE_GROUP
+
+    return {
+        "one-short-of-a-group": [MERGE_GROUP - 1],
+        "one-group": [MERGE_GROUP],
+        "one-past-a-group": [MERGE_GROUP + 1],
+        "ragged-last-group": [3 * MERGE_GROUP + 5],
+        "every-split": [MAX_SPLITS],
+        "mixed": [2, 200, MERGE_GROUP + 1, MAX_SPLITS],
+    }
+
+
+@pytest.mark.parametrize("case", list(group_boundaries()))
+@pytest.mark.parametrize("config", ["bf16-32/4-d128", "bf16-9/3-d64", "bf16-16/2-d256"])
+def test_folded_merge_group_boundaries(config, case):
+    seq_lens = group_boundaries()[case]
+    tuning = many_splits(len(seq_lens), CONFIGS[config][1])
+    check_fold_matches_merge(CONFIGS[config], seq_lens, 16, "cuda", tuning=tuning)
+
+
+@pytest.mark.parametrize("merge_group", [1, 2, 4, 8, 32, 128])
+@pytest.mark.parametrize("seq_lens", [[8192], [9000, 1, 300, 4000, 17]], ids=["one-8192", "five-mixed"])
+def test_folded_merge_group_sizes(seq_lens, merge_group):
+    """Groups of one split (level 2 merges every partial), of a few, and of every split (one
+    level: the single merger)."""
+    check_fold_matches_merge(CONFIGS["bf16-32/4-d128"], seq_lens, 16, "cuda", tuning={"merge_group": merge_group})
+
+
 @pytest.mark.parametrize("sliding_window", [1, 7, 256, 5000])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_folded_merge_sliding_window(page_size, sliding_window):
@@ -183,16 +231,28 @@ def test_folded_merge_float8_cache():
     check_fold_matches_merge(CONFIGS["bf16-32/8-d128"], BATCHES["ragged-8"], 16, "cuda", kv_dtype=torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("fold_merge", [True, False])
-def test_graph_replays_follow_each_plan(fold_merge):
-    """One graph captured at batch 3 replays four different steps of 3 sequences (up to 9000
-    tokens: every split in use), re-planned (outside the graph) before each, each step twice
-    into a zeroed output: each replay matches its own reference, and every counter of the
-    folded merge is back at 0 after each replay."""
+GRAPH_STEPS = {  # contexts of the steps one graph replays
+    "batch-3": ([5, 300, 2000], [2100, 1, 17], [64, 64, 65], [9000, 8192, 1]),
+    "batch-1": ([9000], [1], [8192], [700], [2100]),
+}
+GRAPH_MERGES = {  # TritonDecode arguments
+    "fold": dict(fold_merge=True),
+    "fold-groups-of-2": dict(fold_merge=True, merge_group=2),
+    "merge-launch": dict(fold_merge=False),
+}
+
+
+@pytest.mark.parametrize("merge", list(GRAPH_MERGES))
+@pytest.mark.parametrize("steps", list(GRAPH_STEPS))
+def test_graph_replays_follow_each_plan(steps, merge):
+    """One graph captured at batch 3 (or 1) replays different steps of that batch (up to 9000
+    tokens: every split in use, at batch 1 eight groups of the folded merge, 64 of 2-split
+    groups), re-planned (outside the graph) before each, each step twice into a zeroed output:
+    each replay matches its own reference, and every counter of the folded merge is back at 0
+    after each replay."""
     generator = torch.Generator().manual_seed(7)
     config = CONFIGS["bf16-32/4-d128"]
-    steps = ([5, 300, 2000], [2100, 1, 17], [64, 64, 65], [9000, 8192, 1])
-    cases = [decode_case(config, lens, 1, "cuda", generator) for lens in steps]
+    cases = [decode_case(config, lens, 1, "cuda", generator) for lens in GRAPH_STEPS[steps]]
     decode, q, caches, _, _ = cases[0]
     q_static = q.clone()
     k_all = torch.cat([c[2][0] for c in cases])  # one cache holding every case's blocks, offset per case
@@ -201,7 +261,7 @@ def test_graph_replays_follow_each_plan(fold_merge):
     for c in cases[:-1]:
         offsets.append(offsets[-1] + c[2][0].shape[0])
     decode = type(decode)(32, 4, 128, page_size=1, scale=1 / math.sqrt(128), sliding_window=None, max_batch=8,
-                          max_num_pages=k_all.shape[0], device="cuda", fold_merge=fold_merge)  # fmt: skip
+                          max_num_pages=k_all.shape[0], device="cuda", **GRAPH_MERGES[merge])  # fmt: skip
     meta = cases[0][4].meta
     decode.plan(meta.page_indptr, meta.page_indices + offsets[0], meta.last_page_len)
     decode.run(q_static, (k_all, v_all))  # compile outside capture
