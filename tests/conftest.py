@@ -16,6 +16,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # tests/gpu/ needs NVIDIA GPUs (run on the GPU machine with FLOTILLA_GPU_TESTS=1; see
 # docs/benchmarks.md); CI machines have none, so it is not collected there at all.
 collect_ignore = [] if os.environ.get("FLOTILLA_GPU_TESTS") == "1" else ["gpu"]
+# Tests that run Triton kernels under Triton's CPU interpreter are a developer's tool (minutes
+# on 2 cores, and the CI venv has no Triton): collected only with TRITON_INTERPRET=1.
+if os.environ.get("TRITON_INTERPRET") != "1":
+    collect_ignore.append("kernels/test_triton_folds_interpreted.py")
 
 
 @pytest.fixture(scope="session")

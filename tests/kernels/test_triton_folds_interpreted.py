@@ -15,8 +15,8 @@ time, so memory ordering between concurrent programs (the barrier, the ``acq_rel
 
 Run (this venv has no Triton; /tmp/tritonsite is where this machine keeps a 3.6 copy):
 ``PYTHONPATH=/tmp/tritonsite TRITON_INTERPRET=1 pytest tests/kernels/test_triton_folds_interpreted.py``.
-Without ``TRITON_INTERPRET=1`` (CI, or a GPU machine) every test here is skipped: the GPU tier
-runs the same checks on CUDA.
+Without ``TRITON_INTERPRET=1`` (CI, or a GPU machine) this file is not collected
+(tests/conftest.py): the GPU tier runs the same checks on CUDA.
 """
 
 import os
