@@ -21,7 +21,8 @@
 Ties: among equal scores the lowest expert id is taken first, which is the set CUDA
 ``torch.topk`` keeps (its ``gatherTopK`` fills the last places with the first-seen values
 equal to the k-th). Scores match the reference to ~2 ulp (an accurate ``exp``, IEEE
-divisions); the reduction order of the softmax sum differs, so two experts whose scores
+divisions, the softmax denominator a fixed-point integer sum, so the same bits whatever the
+launch's ``num_warps``); torch's float sum rounds differently, so two experts whose scores
 differ by an ulp or two at the k-th place may be chosen differently.
 
 The kernels are CUDA-graph capturable: no host synchronisation, grids from shapes only.
@@ -90,6 +91,13 @@ def _order_free_sum(v):
 
 
 @triton.jit
+def _order_bits(bits):
+    """A float32's int32 bits -> an int32 whose signed order is the floats' order (negative
+    floats get their magnitude bits flipped), and back: the map is its own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def _select_token(
     logits_ptr,
     bias_ptr,
@@ -125,16 +133,20 @@ def _select_token(
     top_w = tl.zeros([K_PAD], tl.float32)
     top_id = tl.zeros([K_PAD], tl.int32)
     chosen_sum = tl.zeros((), tl.float32)  # the chosen weights, added in rank order
-    taken = ~valid  # padding lanes are never chosen
+    # Each lane's key and id in one int64, the key's order-preserving bits above E_PAD-1-id: one
+    # max per rank finds the best key and, among equal keys, the lowest id (see the module
+    # docstring). Keys are never -0.0 (scores are +0.0 or more), so equal floats are equal bits.
+    packed = (_order_bits(key.to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (E_PAD - 1 - offs).to(tl.int64)
+    taken = ~valid  # padding lanes are never chosen, nor a chosen lane again (below any key, -inf's too)
     for j in range(TOP_K):
-        masked = tl.where(taken, float("-inf"), key)
-        best = tl.max(masked, axis=0)
-        # NOTE: lowest id among equal keys (see the module docstring); `~taken` keeps a row of
-        # -inf keys choosing distinct experts; the clamp keeps a NaN row's ids in range.
-        idx = tl.min(tl.where((masked == best) & ~taken, offs, E_PAD), axis=0)
-        idx = tl.minimum(idx, num_experts - 1)
+        best = tl.max(tl.where(taken, -9223372036854775808, packed), axis=0)
+        # NOTE: the clamp keeps the ids of a row of NaN keys in range.
+        idx = tl.minimum(E_PAD - 1 - (best & (E_PAD - 1)).to(tl.int32), num_experts - 1)
         hit = offs == idx
-        weight = tl.sum(tl.where(hit, scores, 0.0), axis=0)  # NOTE: one term: exact
+        if HAS_BIAS:
+            weight = tl.sum(tl.where(hit, scores, 0.0), axis=0)  # NOTE: one term: exact
+        else:
+            weight = _order_bits((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)  # the key is the score
         top_w = tl.where(k_offs == j, weight, top_w)
         top_id = tl.where(k_offs == j, idx, top_id)
         chosen_sum += weight

@@ -73,3 +73,39 @@ def test_select_experts_softmax_weights_are_within_ulps_of_the_exact_ones():
     # Float64 reference: one float32 rounding of the exact softmax, within ~2 ulp (exp, division).
     exact = torch.softmax(logits.double(), dim=-1).gather(1, ids)
     torch.testing.assert_close(weights.double(), exact, rtol=3e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "minus-inf"])
+@pytest.mark.parametrize("scoring,bias", [("softmax", False), ("softmax", True), ("sigmoid", True), ("sigmoid", False)])
+@pytest.mark.parametrize("experts,top_k", [(6, 1), (6, 4), (128, 8), (256, 6)])
+def test_select_experts_picks_the_best_keys_lowest_ids_first(experts, top_k, scoring, bias, kind):
+    """The selection both kernels share (one packed key-and-id max per rank): the ``top_k``
+    best keys, equal keys by lowest id (the order of a stable descending sort of the keys),
+    distinct ids even among ``-inf`` keys, the weights within SELECT_RTOL of the reference's."""
+    from flotilla.kernels import triton_routing
+    from flotilla.kernels.moe import select_experts
+
+    gen = torch.Generator().manual_seed(experts * 10 + top_k)
+    logits = torch.randn(4, experts, generator=gen) * 2
+    correction = torch.rand(experts, generator=gen) * 0.1 if bias else None
+    if kind == "ties":
+        logits = torch.randint(0, 3, (4, experts), generator=gen).float()
+    elif kind == "minus-inf" and bias:
+        correction[: experts - 1] = float("-inf")  # every key but one -inf
+    elif kind == "minus-inf":
+        logits[:, : experts // 2] = float("-inf")
+    logits = logits.half()
+    weights, ids = triton_routing.launch_select_experts(logits, top_k, True, scoring, correction, 2.5)
+    scores = logits.float().softmax(-1) if scoring == "softmax" else logits.float().sigmoid()
+    keys = scores if correction is None else scores + correction
+    assert all(len(set(row)) == top_k for row in ids.tolist()), ids
+    if kind == "distinct":
+        # torch's scores may order an ulp-close pair otherwise; there are none at this spread
+        want_w, want_ids = select_experts(logits, top_k, True, scoring, correction_bias=correction, routed_scaling_factor=2.5)
+        assert torch.equal(ids, want_ids)
+    else:
+        # exact ties: CPU torch.topk keeps any of the equals (CUDA's keeps the lowest ids)
+        assert torch.equal(ids, keys.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]), ids
+        chosen = scores.gather(1, ids)
+        want_w = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * 2.5
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-12)
