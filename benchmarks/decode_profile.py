@@ -15,8 +15,7 @@ decode ops off for a side-by-side (``rms_norm_linear``, ``silu_and_mul_linear``,
 ``pdl``: the Triton kernels without programmatic dependent launch; ``triton_decode``: small
 decode batches on flashinfer's decode kernels instead of the Triton split-KV kernel;
 ``fold_route_sum``: one token's MoE route sum in its own launch; ``fold_merge``: the Triton
-decode's merge in its own launch; ``router_select``: one token's MoE router GEMV and expert
-selection as two launches).
+decode's merge in its own launch).
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
@@ -144,7 +143,6 @@ SWITCHES = {
     "triton_decode": ("triton_decode_attention", "ENABLED"),
     "fold_route_sum": ("triton_moe", "FOLD_ROUTE_SUM"),
     "fold_merge": ("triton_decode_attention", "FOLD_MERGE"),
-    "router_select": ("triton_routing", "FUSED_ROUTER_SELECT"),
 }
 ABLATABLE = ("linear", "rms_norm_linear", "silu_and_mul_linear", "qkv_prepare", *SWITCHES)
 
@@ -154,8 +152,8 @@ def _turned_off(ops: list[str]):
     """While inside, the kernel registry hands out the unfused choice for ``ops``: None for a
     fused op (the model then runs the separate ops), torch's ``F.linear`` for ``linear``;
     ``pdl``: the Triton kernels launched without programmatic dependent launch; ``triton_decode``:
-    every decode on flashinfer; ``fold_route_sum``, ``fold_merge``, ``router_select``: the
-    launches those folds remove. Restored on exit."""
+    every decode on flashinfer; ``fold_route_sum``, ``fold_merge``: the launches those folds
+    remove. Restored on exit."""
     import importlib
 
     from flotilla.kernels import registry

@@ -9,9 +9,7 @@ cache (as in ``gemv_probe.py``).
 
 ``--shapes qwen3-30b-a3b`` times the Qwen3-30B-A3B attention-side projections instead (the
 norm + q/k/v GEMV, the o GEMV, the router GEMV; K = 2048 or 4096) over a wider grid of
-launch configurations, with PDL only, and no layer chain; and the router with its expert
-selection (``router_select``): the router GEMV then ``select_experts`` (``separate_gemv``,
-two launches) against ``router_select`` (``fused_default``, one launch).
+launch configurations, with PDL only, and no layer chain.
 
 Every kernel row is measured with the Triton kernels launched as programmatic dependents
 (``kernels/triton_pdl.py``, the default on SM90) and again without (``(no pdl)``); ``layer`` chains
@@ -121,26 +119,6 @@ def probe_plain(n: int, k: int, configs: list[dict[str, int]] = WIDE_CONFIGS) ->
     return row
 
 
-def probe_router_select(n: int, k: int, top_k: int = 8) -> dict[str, float]:
-    """One token's MoE routing (softmax, renormalized): the one-row GEMV then the Triton
-    ``select_experts``, against ``router_select`` doing both in one launch."""
-    from flotilla.kernels import triton_routing
-    from flotilla.kernels.triton_gemv import gemv
-
-    weights, state = _rotating(n, k)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-
-    def nxt() -> torch.Tensor:
-        state["i"] = (state["i"] + 1) % len(weights)
-        return weights[state["i"]]
-
-    row: dict[str, float] = {}
-    select = triton_routing.launch_select_experts
-    _timed(lambda: select(gemv(x, nxt()), top_k, True, "softmax", None, 1.0), "separate_gemv", row)
-    _timed(lambda: triton_routing.router_select_experts(x, nxt(), top_k, True), "fused_default", row)
-    return row
-
-
 def probe_silu(n: int, k: int) -> dict[str, float]:
     from flotilla.kernels import registry
     from flotilla.kernels.triton_gemv import gemv
@@ -208,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = probe_norm(n, k, WIDE_CONFIGS)
         for name, (n, k) in QWEN_MOE_PLAIN_SHAPES.items():
             results[name] = probe_plain(n, k)
-        results["router+select"] = probe_router_select(*QWEN_MOE_PLAIN_SHAPES["router"])
     else:
         results["layer"] = probe_layer_chain()
     for pdl in (True, False) if opts.shapes == "llama-3.1-8b" else ():

@@ -74,16 +74,11 @@ def _gemv_accumulate(acc, w, x_rows, k, row_ok, K, EVEN_K: tl.constexpr, SILU_MU
 
 
 @triton.jit
-def gemv_block(
-    x_ptr, w_ptr, N, K, stride_xm, stride_wn,
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
     M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """This program's ``[BLOCK_M, BLOCK_N]`` float32 block of ``x @ w^T`` (columns
-    ``program_id(0) * BLOCK_N + arange(BLOCK_N)``; rows past ``M`` and columns past ``N`` are
-    zeros, from masked loads). With ``PDL`` it also does the dependent-launch handshake, so a
-    kernel built on it (:func:`_gemv_kernel`, the router of ``triton_routing.router_select``)
-    may store nothing before it returns."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -106,20 +101,7 @@ def gemv_block(
         k = k0 + ks
         w = _weight_tile(w_rows, k, col_ok, K, EVEN_K)
         acc = _gemv_accumulate(acc, w, x_rows, k, row_ok, K, EVEN_K, SILU_MUL)
-    return tl.sum(acc, axis=2)
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-    M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    y = gemv_block(x_ptr, w_ptr, N, K, stride_xm, stride_wn, M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SILU_MUL, PDL)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]

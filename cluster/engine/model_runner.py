@@ -157,13 +157,6 @@ class ModelRunner:
                 registry.get("linear", self.backends.linear),
                 silu_and_mul_linear=registry.get("silu_and_mul_linear", self.backends.linear),
                 rms_norm_linear=registry.get("rms_norm_linear", self.backends.linear),
-                # NOTE: bit-identical to the router's GEMV then select_experts only where the
-                # experts' select_experts is this backend's too.
-                router_select=(
-                    registry.get("router_select", self.backends.linear)
-                    if self.backends.moe == self.backends.linear
-                    else None
-                ),
             )
         self.load_recorder = self._make_load_recorder(config)
         self.vocab_size = int(source.config_dict["vocab_size"])

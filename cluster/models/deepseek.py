@@ -268,7 +268,7 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = GatedMLP(cfg, hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts.forward_with_router(x, self.gate)
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

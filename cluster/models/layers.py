@@ -38,10 +38,8 @@ def use_linear_op(model: nn.Module, linear_op: LinearOp, **fused_ops: Callable |
     decode GEMV), and hand each fused op to the modules that have an attribute of its name (None
     there means "run the separate ops"): ``silu_and_mul_linear`` (gated MLPs: the activation
     fused into the down projection), ``rms_norm_linear`` (decoder layers: a norm fused into the
-    projection after it), ``router_select`` (MoE routers: the router's GEMV and the expert
-    selection in one launch; hand it only where the MoE layers' ``select_experts`` is that
-    backend's too). Returns how many modules got ``linear_op``. The embedding and LM head keep
-    ``F.linear``."""
+    projection after it). Returns how many modules got ``linear_op``. The embedding and LM head
+    keep ``F.linear``."""
     changed = 0
     for module in model.modules():
         # NOTE: a block-FP8 layer keeps its own forward (op fp8_block_linear over its float8

@@ -77,11 +77,8 @@ class MoERouter(nn.Module):
             bias = torch.zeros(num_experts, dtype=torch.float32)
             self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
             self.e_score_correction_bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-        # NOTE: the GEMM kernel; use_linear_op swaps in a CUDA backend's (a batch-1 GEMV), and
-        # may hand over router_select: that GEMV and the expert selection in one launch
-        # (FusedMoE.select calls it; None: the GEMM, then the selection).
+        # NOTE: the GEMM kernel; use_linear_op swaps in a CUDA backend's (a batch-1 GEMV).
         self.linear_op = F.linear
-        self.router_select = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_op(x.to(self.weight.dtype), self.weight)
@@ -318,34 +315,13 @@ class FusedMoE(nn.Module):
             hidden, self.w13, self.w2, weights, slot_ids, activation=self.activation, expert_map=self.expert_map
         )
 
-    def select(self, hidden: torch.Tensor, router: MoERouter) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_weights[T, k] float32, topk_ids[T, k])`` (logical ids) for ``hidden[T, H]``
-        under ``router``: the router's ``router_select`` op when it has one and takes the call
-        (one token on CUDA: the router's GEMV and the selection in one launch, the same
-        result), else ``router(hidden)``, then :meth:`route`."""
-        if router.router_select is not None:
-            chosen = router.router_select(
-                hidden, router.weight, self.top_k, self.renormalize, self.scoring, self.num_expert_group,
-                self.topk_group, router.e_score_correction_bias, self.routed_scaling_factor,
-            )  # fmt: skip
-            if chosen is not None:
-                return chosen
-        return self.route(router(hidden), router.e_score_correction_bias)
-
     def forward(
         self, hidden: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``hidden[T, H]``, ``router_logits[T, E]`` -> ``[T, H]``, complete (summed over every
         expert and every MoE-TP slice). ``T`` may be 0 (an idle DP-attention rank), and every
         rank of the engine group must call it, since it may run collectives."""
-        return self._run_experts(hidden, *self.route(router_logits, correction_bias))
-
-    def forward_with_router(self, hidden: torch.Tensor, router: MoERouter) -> torch.Tensor:
-        """:meth:`forward` on ``router``'s logits for ``hidden`` (and its correction bias), the
-        experts chosen by :meth:`select`: how the models' MoE blocks call the layer."""
-        return self._run_experts(hidden, *self.select(hidden, router))
-
-    def _run_experts(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(router_logits, correction_bias)
         if self.load_recorder is not None:
             self.load_recorder.record(self.load_layer_index, ids)
         return self.dispatcher(self, hidden, weights, ids)

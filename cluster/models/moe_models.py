@@ -273,7 +273,7 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts.forward_with_router(x, self.gate)
+        return self.experts(x, self.gate(x))
 
 
 class DecoderLayer(nn.Module):

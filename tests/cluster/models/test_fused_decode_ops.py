@@ -1,6 +1,5 @@
 """The model plumbing of the fused decode ops (``use_linear_op``: a linear kernel, the norm
-fused into the projection after it, the activation fused into the down projection, a MoE
-router's GEMV and expert selection in one op), on the CPU.
+fused into the projection after it, the activation fused into the down projection), on the CPU.
 
 The CUDA kernels behind these ops (``kernels/triton_gemv.py``) are tested on a GPU
 (tests/gpu/test_triton_gemv.py). Here the same contracts are implemented with the torch
@@ -19,9 +18,7 @@ from flotilla.cluster.engine.model_runner import ModelRunner
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.models.layers import use_linear_op
 from flotilla.cluster.models.sources import resolve_model_source
-from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
 from flotilla.kernels.activation import silu_and_mul
-from flotilla.kernels.moe import select_experts
 from flotilla.kernels.norm import rms_norm
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from helpers.tiny_models import save_tiny_llama
@@ -70,11 +67,7 @@ class Calls:
     """Reference implementations of the fused ops' contracts that count their calls."""
 
     def __init__(self):
-        self.counts = {
-            "linear": 0, "rms_norm_linear": 0, "rms_norm_linear_declined": 0, "silu_and_mul_linear": 0,
-            "router_select": 0, "router_select_declined": 0,
-        }  # fmt: skip
-        self.router_select_args: list[tuple] = []
+        self.counts = {"linear": 0, "rms_norm_linear": 0, "rms_norm_linear_declined": 0, "silu_and_mul_linear": 0}
 
     def linear(self, x, weight, bias=None):
         self.counts["linear"] += 1
@@ -94,17 +87,6 @@ class Calls:
         self.counts["silu_and_mul_linear"] += 1
         return F.linear(act(x) if x.shape[0] != 1 else silu_and_mul(x), weight)
 
-    def router_select(self, x, weight, top_k, renormalize, scoring, num_expert_group, topk_group, bias, scaling):
-        """One token: the router's product then the selection (the Triton op's contract); more
-        tokens: declined (None), as the Triton op declines them."""
-        self.router_select_args.append((weight, top_k, renormalize, scoring, num_expert_group, topk_group, bias, scaling))
-        if x.shape[0] != 1:
-            self.counts["router_select_declined"] += 1
-            return None
-        self.counts["router_select"] += 1
-        logits = F.linear(x.to(weight.dtype), weight)
-        return select_experts(logits, top_k, renormalize, scoring, num_expert_group, topk_group, bias, scaling)
-
 
 def test_fused_ops_give_the_unfused_tokens(model_path):
     case, path = model_path
@@ -114,7 +96,7 @@ def test_fused_ops_give_the_unfused_tokens(model_path):
     layers = len(engine.runner.model.layers) if case == "qwen3_moe" else len(engine.runner.model.model.layers)
     changed = use_linear_op(
         engine.runner.model, calls.linear, rms_norm_linear=calls.rms_norm_linear,
-        silu_and_mul_linear=calls.silu_and_mul_linear, router_select=calls.router_select,
+        silu_and_mul_linear=calls.silu_and_mul_linear,
     )  # fmt: skip
     # Llama: q/k/v, o, gate/up, down per layer. Qwen3-MoE: q/k/v and o, plus gate/up and
     # down of its one dense layer, plus the router of each sparse layer (the experts have
@@ -134,39 +116,3 @@ def test_fused_ops_give_the_unfused_tokens(model_path):
     dense_layers = layers if case == "llama" else 1
     assert counts["silu_and_mul_linear"] == dense_layers * steps, counts
     assert counts["linear"] > 0, counts  # o_proj, and every projection of the prefills
-    # Every sparse layer's routing goes through router_select: one decode token fused (its
-    # router's linear op not called), a prefill declined (the router's linear op, then route).
-    sparse_layers = 0 if case == "llama" else layers - 1
-    assert counts["router_select"] == sparse_layers * decode_steps, counts
-    assert counts["router_select_declined"] == sparse_layers * len(PROMPTS), counts
-
-
-def test_router_select_gets_the_layer_routing_and_falls_back_when_declined():
-    """A DeepSeek-V3-style layer (float32 router with a correction bias, sigmoid, scaling, one
-    expert group): ``forward_with_router`` hands the op the router's weight and bias and the
-    layer's routing, and its result, or when the op declines the router then ``route``, equals
-    ``forward`` on the router's logits."""
-    torch.manual_seed(1)
-    moe = FusedMoE(
-        16, 4, 32, 24, renormalize=True, scoring="sigmoid", num_expert_group=1, topk_group=1,
-        routed_scaling_factor=2.5, dtype=torch.bfloat16,
-    )  # fmt: skip
-    moe.w13.data.normal_(0, 0.2)
-    moe.w2.data.normal_(0, 0.2)
-    router = MoERouter(32, 16, with_correction_bias=True, float32_logits=True, dtype=torch.bfloat16)
-    router.weight.data.normal_(0, 0.3)
-    router.e_score_correction_bias.data.uniform_(0, 0.1)
-    calls = Calls()
-    assert use_linear_op(moe, calls.linear, router_select=calls.router_select) == 0  # the experts have no linear_op
-    assert use_linear_op(router, calls.linear, router_select=calls.router_select) == 1
-    assert router.router_select == calls.router_select
-    for tokens in (1, 3):
-        x = torch.randn(tokens, 32).bfloat16()
-        want = moe(x, F.linear(x.float(), router.weight), router.e_score_correction_bias)
-        assert torch.equal(moe.forward_with_router(x, router), want), tokens
-    assert calls.counts["router_select"] == calls.counts["router_select_declined"] == 1
-    assert calls.counts["linear"] == 1  # the declined batch only
-    weight, *routing = calls.router_select_args[0]
-    assert weight is router.weight
-    assert routing[:-2] == [4, True, "sigmoid", 1, 1] and routing[-2] is router.e_score_correction_bias
-    assert routing[-1] == 2.5
