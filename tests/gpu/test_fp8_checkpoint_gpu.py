@@ -21,43 +21,24 @@ import torch
 
 from gpu.test_cuda_graph_decode import build_runner, teacher_forced
 from helpers.prompts import random_prompts
-from helpers.tiny_fp8 import save_fp8_pair
+from helpers.tiny_fp8 import VOCAB, save_fp8_case
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.timeout(1800)]
 
 STEPS = 24
 MIN_AGREEMENT = 0.95
-VOCAB = 384
-_COMMON = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, max_position_embeddings=256)
-# Shapes that cut on 128x128 scale blocks, head dim 128 (flashinfer's FA3 sizes).
-CASES = {
-    "qwen3": ("Qwen3Config", dict(intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128), ()),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-        ),
-        ("lm_head", "model.layers.0.mlp.gate"),
-    ),
-}  # fmt: skip
+CASES = ("qwen3", "qwen3_moe")  # of helpers.tiny_fp8.FP8_CASES: head dim 128, flashinfer's FA3 sizes
 GPU_FLAGS = dict(dtype="bfloat16", cuda_graph_max_bs_decode=8)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """case -> (fp8 dir, dequantized float32 dir)."""
-    import transformers
-
     root = tmp_path_factory.mktemp("fp8-gpu")
-    found = {}
-    for case, (config_name, extra, skip) in CASES.items():
-        config = getattr(transformers, config_name)(**_COMMON, **extra)
-        found[case] = save_fp8_pair(config, root / case, skip=skip)
-    return found
+    return {case: save_fp8_case(case, root) for case in CASES}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASES)
 def test_fp8_checkpoint_on_the_gpu_agrees_with_its_dequantized_twin_on_the_cpu(case, checkpoints):
     fp8_dir, dequant_dir = checkpoints[case]
     cpu = build_runner(str(dequant_dir), "cpu")

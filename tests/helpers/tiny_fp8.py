@@ -23,6 +23,37 @@ import torch
 
 BLOCK = 128
 FP8_MAX = 448.0
+# The tiny models the FP8 tests build (CPU: tests/cluster/models/test_fp8_checkpoint.py; GPU:
+# tests/gpu/test_fp8_checkpoint_gpu.py): shapes that cut on 128x128 scale blocks, head dim 128.
+# Each case: (transformers config class, its extra fields, module names kept unquantized,
+# scale dtype). Qwen3 dense; Llama with q/k/v/o biases, one KV head, bfloat16 scales and one
+# projection kept in float32; Qwen3-MoE with 8 experts top-2, a dense layer and the routers
+# unquantized, as the real Qwen3-MoE FP8 checkpoints list them.
+VOCAB = 384
+COMMON_CONFIG = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, max_position_embeddings=128)
+FP8_CASES = {
+    "qwen3": (
+        "Qwen3Config",
+        dict(intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128),
+        (),
+        torch.float32,
+    ),
+    "llama": (
+        "LlamaConfig",
+        dict(intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, attention_bias=True),
+        ("lm_head", "model.layers.1.mlp.down_proj"),
+        torch.bfloat16,
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        ),
+        ("lm_head", "model.layers.0.mlp.gate"),
+        torch.float32,
+    ),
+}  # fmt: skip
 # Checkpoint names of the projections an FP8 checkpoint quantizes (experts included).
 _PROJECTION = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
@@ -111,3 +142,12 @@ def rewrite_checkpoint(model_dir: Path, edit) -> None:
         tensors = load_file(file)
         edit(tensors)
         save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def save_fp8_case(case: str, root: Path) -> tuple[Path, Path]:
+    """:func:`save_fp8_pair` of the :data:`FP8_CASES` model ``case`` under ``root / case``."""
+    import transformers
+
+    config_name, extra, skip, scale_dtype = FP8_CASES[case]
+    config = getattr(transformers, config_name)(**COMMON_CONFIG, **extra)
+    return save_fp8_pair(config, root / case, skip=skip, scale_dtype=scale_dtype)

@@ -30,39 +30,16 @@ import torch
 
 from helpers.paged import PagedRunner
 from helpers.ranks import free_port, run_ranks
-from helpers.tiny_fp8 import fp8_quantization_config, rewrite_checkpoint, save_fp8_pair
+from helpers.tiny_fp8 import COMMON_CONFIG as _COMMON
+from helpers.tiny_fp8 import FP8_CASES as CASES
+from helpers.tiny_fp8 import VOCAB as _VOCAB
+from helpers.tiny_fp8 import fp8_quantization_config, rewrite_checkpoint, save_fp8_case
 
 ATOL = 1e-4
 _COLLECTIVE_TIMEOUT_S = 30.0
 _RANK_TIMEOUT_S = 120.0
 _PROMPT_LENGTHS = (9, 1, 14, 5)
 _DECODE_STEPS = 4
-_VOCAB = 384
-
-_COMMON = dict(vocab_size=_VOCAB, hidden_size=256, num_hidden_layers=2, max_position_embeddings=128)
-CASES = {
-    "qwen3": (
-        "Qwen3Config",
-        dict(intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128),
-        (),
-        torch.float32,
-    ),
-    "llama": (
-        "LlamaConfig",
-        dict(intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, attention_bias=True),
-        ("lm_head", "model.layers.1.mlp.down_proj"),
-        torch.bfloat16,
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        dict(
-            intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
-        ),
-        ("lm_head", "model.layers.0.mlp.gate"),
-        torch.float32,
-    ),
-}  # fmt: skip
 # Two-rank scenarios: (case, topology sizes).
 TP_SCENARIOS = {
     "qwen3-tp2": ("qwen3", dict(world_size=2)),
@@ -134,12 +111,9 @@ def _rank_main(rank: int, world_size: int, root: str, out_dir: str, jobs: list[s
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     """``root/<case>/fp8`` and ``root/<case>/dequant`` for every case."""
-    import transformers
-
     root = tmp_path_factory.mktemp("fp8")
-    for case, (config_name, extra, skip, scale_dtype) in CASES.items():
-        config = getattr(transformers, config_name)(**_COMMON, **extra)
-        save_fp8_pair(config, root / case, skip=skip, scale_dtype=scale_dtype)
+    for case in CASES:
+        save_fp8_case(case, root)
     return root
 
 
