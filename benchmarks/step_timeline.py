@@ -101,7 +101,10 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     for step in steps:
         for op in step["outside"]:
             by_name[op["name"]].append(op["us"])
-    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+
+    def med(key: str) -> float:
+        return statistics.median(s[key] for s in steps)
+
     return {
         "steps": len(steps),
         "period_us_p50": med("period_us"),

@@ -259,6 +259,8 @@ def _fold_merge(
         members = tl.minimum(active - group_start, MERGE_GROUP)
         m, l, acc = _merge_rows(acc_ptr, ml_ptr, first + group_start, valid, 1, members,
                                 HEAD_DIM, MERGE_G, MERGE_GROUP, GROUP_CHUNK)  # fmt: skip
+        # NOTE: two branches with one body on purpose: NUM_GROUPS is a constexpr, so a launch
+        # with a single group compiles level 2 out; `active` decides at run time otherwise.
         if NUM_GROUPS == 1:
             _store_output(out_ptr, seq, kv_head, acc, l, valid, stride_ot, stride_oh, GROUP, MERGE_G, HEAD_DIM)
         elif active <= MERGE_GROUP:
