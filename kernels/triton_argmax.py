@@ -63,7 +63,8 @@ small decode batches; larger batches keep ``torch.argmax``)."""
 # resident at once, each with a few 4-28 KB of loads in flight. Many more programs would
 # only add atomics on the row counter and keys for the last program to read; far fewer leave
 # SMs idle and make each program's loads longer. Small V gets fewer programs (V = 32000,
-# B = 1: 32). Not yet measured on a GPU.
+# B = 1: 32); ITERS stops at MAX_ITERS, so large B * V gets more (B = 8, V = 262144: 256).
+# Not yet measured on a GPU.
 BLOCK = 1024
 TARGET_PROGRAMS = 192
 MAX_ITERS = 8
