@@ -22,12 +22,17 @@ The order of operations, per row (each row carries its own ``SamplingParams``):
    same distribution, the randomness from the shared generator's Philox stream).
 
 Steps 1-3 run in torch on every backend, so logprobs, penalties and greedy choices do
-not depend on the sampling backend.
+not depend on the sampling backend. The argmax of step 3 is ``torch.argmax``'s, except that
+CUDA float32 logits of at most ``triton_argmax.MAX_ROWS`` rows take it in one Triton launch
+(:func:`greedy_argmax`: the same indices, ties to the lowest; ``triton_argmax.ENABLED = False``
+turns it off); CPU logits, and machines without Triton, keep ``torch.argmax``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Sequence
 
 import torch
@@ -154,9 +159,9 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [r.params.greedy for r in rows]
+        chosen = greedy_argmax(logits)
         if all(greedy):
-            return logits.argmax(dim=-1)
-        chosen = logits.argmax(dim=-1)
+            return chosen
         sampled = [i for i, g in enumerate(greedy) if not g]
         fast = []
         if self._sample_tokens is not None and logits.is_cuda:
@@ -190,6 +195,28 @@ class Sampler:
                 noise[i].exponential_(generator=row.generator)
         # Exp(1) samples can be exactly 0 in float32; keep the division finite.
         return noise.clamp_(min=1e-20)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (``[B]`` int64) for ``[B, V]`` logits: through
+    :func:`flotilla.kernels.triton_argmax.greedy_argmax` (one launch, the same indices) for
+    CUDA float32 logits of 1 to ``MAX_ROWS`` rows while ``triton_argmax.ENABLED``, else
+    ``torch.argmax``. Triton is imported only for CUDA logits."""
+    if logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2:
+        module = _triton_argmax()
+        if module is not None and module.ENABLED and 1 <= logits.shape[0] <= module.MAX_ROWS:
+            return module.greedy_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_argmax() -> ModuleType | None:
+    """:mod:`flotilla.kernels.triton_argmax`, or None where Triton is not installed."""
+    try:
+        from flotilla.kernels import triton_argmax
+    except ImportError:
+        return None  # NOTE: an optimization no flag names: without Triton greedy rows stay on torch
+    return triton_argmax
 
 
 def truncated_probs(logits: torch.Tensor, params: Sequence[SamplingParams], backend: str = "torch") -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The batched sampler: greedy, truncation masks, seeds, penalties and logprobs."""
 
+import importlib.util
 import math
 
 import pytest
 import torch
 
-from flotilla.cluster.engine.sampler import Sampler, SamplingRow, apply_penalties, truncated_probs
+from flotilla.cluster.engine import sampler as sampler_module
+from flotilla.cluster.engine.sampler import Sampler, SamplingRow, apply_penalties, greedy_argmax, truncated_probs
 from flotilla.cluster.engine.sampling_params import SamplingParams
 
 
@@ -25,6 +27,28 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
     out = [t.token_id for t in Sampler()(logits, rows)]
     # top_k=1 leaves only the argmax, so every row gives the argmax.
     assert out == logits.argmax(-1).tolist()
+
+
+def test_greedy_argmax_on_cpu_is_torch_argmax_and_never_loads_triton():
+    """CPU logits (float32 or not) take ``torch.argmax``: the same indices on ties, NaNs and
+    signed zeros, and the Triton module is never looked up (tests/gpu/test_triton_argmax.py
+    covers the CUDA path)."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, nan, 3.0, nan], [-0.0, 0.0, -1.0, -2.0], [-inf] * 4, [2.0, 5.0, 5.0, 1.0]])
+    lookups = sampler_module._triton_argmax.cache_info()
+    for x in (logits, logits.double(), logits.to(torch.bfloat16), logits[:1]):
+        assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+    assert greedy_argmax(logits).tolist() == [1, 0, 0, 1]
+    assert sampler_module._triton_argmax.cache_info() == lookups
+
+
+def test_the_triton_argmax_loader_gives_none_exactly_when_triton_is_missing():
+    """The sampler's CUDA path imports the kernel module lazily and falls back to torch (None)
+    on a machine without Triton, as this CPU venv is; with Triton it gives the module."""
+    module = sampler_module._triton_argmax()
+    assert (module is None) == (importlib.util.find_spec("triton") is None)
+    if module is not None:
+        assert callable(module.greedy_argmax) and module.MAX_ROWS == 8
 
 
 def test_top_k_keeps_exactly_the_k_largest():
