@@ -2,10 +2,11 @@
 ``triton`` backend of op ``qkv_prepare``.
 
 Per layer the unfused path runs q RMSNorm, k RMSNorm, RoPE and two KV-cache index copies
-(five launches); :func:`qkv_prepare` does all of it in one, over a grid of tokens x
-(query heads + KV heads). A query-head program normalises (optionally), rotates and stores
-its head into a new contiguous ``q[T, Hq, D]``; a KV-head program does the same for its key
-head and stores it, with the value head copied unchanged, at the token's cache slot.
+(five launches); :func:`qkv_prepare` does all of it in one, over a grid of tokens x groups
+of heads (query heads, then KV heads; one head a program for a few tokens, up to eight for a
+prefill chunk, see :func:`heads_per_program`). A program normalises (optionally) and rotates
+its heads; query heads go into a new contiguous ``q[T, Hq, D]``, key heads to the token's
+cache slot, each with its value head copied there unchanged.
 
 Numerics: the separate torch references' rounding points, reproduced exactly (float32 math,
 rounding to the model dtype wherever the reference's intermediate tensors live in it):
@@ -51,6 +52,11 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 # NOTE: Triton's interpreter runs the kernel on CPU tensors (used to check it without a GPU).
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+# Launch shape: steps of at most ONE_HEAD_TOKENS tokens run one head per program; longer ones
+# up to MAX_HEADS_PER_PROGRAM heads of a token per program (measured on an H200: an 8192-token
+# Llama-3.1-8B prefill chunk, docs/benchmarks.md).
+ONE_HEAD_TOKENS = 16
+MAX_HEADS_PER_PROGRAM = 8
 
 
 @triton.jit
@@ -88,9 +94,13 @@ def _to_cache(x, CACHE_DTYPE: tl.constexpr, FP8_MANT_BITS: tl.constexpr, FP8_MIN
 
 
 @triton.jit
-def _prepare_head(
-    src_ptr,
-    w_ptr,
+def _prepare_heads(
+    row_ptr,
+    heads,
+    valid,
+    is_q,
+    q_norm_ptr,
+    k_norm_ptr,
     eps,
     cos_ptr,
     cols,
@@ -100,11 +110,14 @@ def _prepare_head(
     IS_NEOX: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    """One head (``HEAD_DIM`` values at ``src_ptr``) normalised and rotated, as float32
+    """Heads ``heads`` (a vector of indices into the token's q and k heads, q first; rows not
+    ``valid`` are masked) of the qkv row at ``row_ptr``, normalised (``q_norm_ptr`` for rows
+    ``is_q``, ``k_norm_ptr`` for the rest) and rotated: ``[len(heads), BLOCK_D]`` float32
     values already rounded to ``DTYPE``. ``cos_ptr`` is the token's cos/sin cache row."""
     half: tl.constexpr = ROT_DIM // 2
     in_head = cols < HEAD_DIM
-    x = tl.load(src_ptr + cols, mask=in_head, other=0.0).to(tl.float32)
+    base = row_ptr + heads[:, None] * HEAD_DIM
+    x = tl.load(base + cols[None, :], mask=valid[:, None] & in_head[None, :], other=0.0).to(tl.float32)
     # Each rotated dim's partner (the other element of its rotation pair), its frequency
     # (cos/sin column) and whether it takes the minus sign (first of its pair).
     if IS_NEOX:
@@ -116,20 +129,28 @@ def _prepare_head(
         partner = cols ^ 1
         freq = cols // 2
     rotated = cols < ROT_DIM
-    x_partner = tl.load(src_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+    x_partner = tl.load(base + partner[None, :], mask=valid[:, None] & rotated[None, :], other=0.0).to(tl.float32)
     if HAS_NORM:
         # NOTE: the reference normalises the whole head (rotated dims and the rest alike).
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / HEAD_DIM) + eps)
-        w = tl.load(w_ptr + cols, mask=in_head, other=0.0).to(tl.float32)
-        w_partner = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * (1.0 / HEAD_DIM) + eps)[:, None]
+        w = tl.where(
+            is_q[:, None],
+            tl.load(q_norm_ptr + cols, mask=in_head, other=0.0).to(tl.float32)[None, :],
+            tl.load(k_norm_ptr + cols, mask=in_head, other=0.0).to(tl.float32)[None, :],
+        )
+        w_partner = tl.where(
+            is_q[:, None],
+            tl.load(q_norm_ptr + partner, mask=rotated, other=0.0).to(tl.float32)[None, :],
+            tl.load(k_norm_ptr + partner, mask=rotated, other=0.0).to(tl.float32)[None, :],
+        )
         x = _round(w * _round(x * rstd, DTYPE), DTYPE)
         x_partner = _round(w_partner * _round(x_partner * rstd, DTYPE), DTYPE)
-    cos = _round(tl.load(cos_ptr + freq, mask=rotated, other=0.0), DTYPE)
-    sin = _round(tl.load(cos_ptr + half + freq, mask=rotated, other=0.0), DTYPE)
+    cos = _round(tl.load(cos_ptr + freq, mask=rotated, other=0.0), DTYPE)[None, :]
+    sin = _round(tl.load(cos_ptr + half + freq, mask=rotated, other=0.0), DTYPE)[None, :]
     x_cos = _round(x * cos, DTYPE)
     partner_sin = _round(x_partner * sin, DTYPE)
-    out = _round(tl.where(first, x_cos - partner_sin, x_cos + partner_sin), DTYPE)
-    return tl.where(rotated, out, x)
+    out = _round(tl.where(first[None, :], x_cos - partner_sin, x_cos + partner_sin), DTYPE)
+    return tl.where(rotated[None, :], out, x)
 
 
 @triton.jit
@@ -154,6 +175,7 @@ def _qkv_prepare_kernel(
     stride_vc_head,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -167,37 +189,51 @@ def _qkv_prepare_kernel(
 ):
     start_dependent(PDL)  # NOTE: first: qkv comes from the kernel before
     token = tl.program_id(0)
-    head = tl.program_id(1)
+    first_head = tl.program_id(1) * HEADS
+    # This program's HEADS heads of the token, counted over q heads then k heads (a k head's
+    # program also copies the matching v head).
+    heads = first_head + tl.arange(0, HEADS)
+    valid = heads < NUM_Q_HEADS + NUM_KV_HEADS
+    is_q = heads < NUM_Q_HEADS
     cols = tl.arange(0, BLOCK_D)
-    in_head = cols < HEAD_DIM
+    in_head = (cols < HEAD_DIM)[None, :]
     DTYPE: tl.constexpr = q_out_ptr.dtype.element_ty
     CACHE_DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     row = qkv_ptr + token.to(tl.int64) * stride_qkv_t
     position = tl.load(positions_ptr + token).to(tl.int64)
     cos_row = cos_sin_ptr + position * stride_cos_p
-    if head < NUM_Q_HEADS:
-        q = _prepare_head(
-            row + head * HEAD_DIM, q_norm_ptr, eps, cos_row, cols, DTYPE, HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM
-        )
-        q_dst = q_out_ptr + (token.to(tl.int64) * NUM_Q_HEADS + head) * HEAD_DIM
-        tl.store(q_dst + cols, q.to(DTYPE), mask=in_head)
-    else:
-        kv_head = head - NUM_Q_HEADS
+    out = _prepare_heads(
+        row, heads, valid, is_q, q_norm_ptr, k_norm_ptr, eps, cos_row, cols, DTYPE, HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM
+    )
+    if first_head < NUM_Q_HEADS:
+        q_dst = q_out_ptr + (token.to(tl.int64) * NUM_Q_HEADS + heads[:, None]) * HEAD_DIM + cols[None, :]
+        tl.store(q_dst, out.to(DTYPE), mask=(valid & is_q)[:, None] & in_head)
+    if first_head + HEADS > NUM_Q_HEADS:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         # NOTE: a negative slot (a padding row some callers mark with -1) writes nothing.
         if slot >= 0:
             block = slot // CACHE_BLOCK_SIZE
             offset = slot % CACHE_BLOCK_SIZE
-            k_src = row + (NUM_Q_HEADS + kv_head) * HEAD_DIM
-            k = _prepare_head(k_src, k_norm_ptr, eps, cos_row, cols, DTYPE, HEAD_DIM, ROT_DIM, IS_NEOX, HAS_NORM)
+            is_kv = valid & (heads >= NUM_Q_HEADS)
+            kv_head = tl.where(is_kv, heads - NUM_Q_HEADS, 0)[:, None]
+            kv_mask = is_kv[:, None] & in_head
             k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + kv_head * stride_kc_head
-            # NOTE: k is already rounded to the model dtype, as the reference's k is before write_kv.
-            k = _to_cache(k, CACHE_DTYPE, FP8_MANT_BITS, FP8_MIN_EXP, FP8_MAX)
-            tl.store(k_dst + cols, k, mask=in_head)
-            v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + cols, mask=in_head)
+            # NOTE: out is already rounded to the model dtype, as the reference's k is before write_kv.
+            k = _to_cache(out, CACHE_DTYPE, FP8_MANT_BITS, FP8_MIN_EXP, FP8_MAX)
+            tl.store(k_dst + cols[None, :], k, mask=kv_mask)
+            v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + cols[None, :], mask=kv_mask)
             v = _to_cache(v, CACHE_DTYPE, FP8_MANT_BITS, FP8_MIN_EXP, FP8_MAX)
             v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + kv_head * stride_vc_head
-            tl.store(v_dst + cols, v, mask=in_head)
+            tl.store(v_dst + cols[None, :], v, mask=kv_mask)
+
+
+def heads_per_program(tokens: int, heads: int) -> int:
+    """Heads one program of :func:`qkv_prepare` handles: one for a few tokens (decode: the
+    most programs, each a warp), up to :data:`MAX_HEADS_PER_PROGRAM` for a prefill's many
+    (one-head programs of a few hundred bytes each leave a chunk's launch latency-bound)."""
+    if tokens <= ONE_HEAD_TOKENS:
+        return 1
+    return min(MAX_HEADS_PER_PROGRAM, triton.next_power_of_2(heads))
 
 
 def _check_inputs(
@@ -324,7 +360,8 @@ def qkv_prepare(
     has_norm = q_norm_weight is not None
     block_d = triton.next_power_of_2(head_dim)
     fp8 = _fp8_format(k_cache.dtype)
-    _qkv_prepare_kernel[(tokens, num_q_heads + num_kv_heads)](
+    heads = heads_per_program(tokens, num_q_heads + num_kv_heads)
+    _qkv_prepare_kernel[(tokens, triton.cdiv(num_q_heads + num_kv_heads, heads))](
         qkv,
         positions,
         cos_sin_cache,
@@ -345,6 +382,7 @@ def qkv_prepare(
         v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
+        HEADS=heads,
         HEAD_DIM=head_dim,
         ROT_DIM=rotary_dim,
         BLOCK_D=block_d,
@@ -354,7 +392,7 @@ def qkv_prepare(
         FP8_MANT_BITS=fp8[0],
         FP8_MIN_EXP=fp8[1],
         FP8_MAX=fp8[2],
-        num_warps=1 if block_d <= 128 else 2,
+        num_warps=min(8, max(1, heads * block_d // 256)),
         # NOTE: no mul+add -> FMA contraction: it would skip the rounding of a product that the
         # reference rounds (LLVM otherwise fuses r(x*cos) - r(x'*sin) into one bf16 FMA).
         enable_fp_fusion=False,

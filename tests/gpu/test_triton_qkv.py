@@ -2,8 +2,9 @@
 reference ops it replaces: ``rms_norm`` on q and k (optional), ``rotary_embedding``, then
 ``write_kv`` of K and V, on a CUDA GPU.
 
-Grid: T in 1/5/64; (Hq, Hkv, D) in (32,8,128), (16,4,64), (9,3,64), (32,4,128); q/k norm on
-and off; rotary_dim D and D/2; bf16 and fp16; cache blocks of 16 and 1; ragged, shuffled
+Grid: T in 1/5/64 (1 and 5 run one head a program, 64 several: ``heads_per_program``);
+(Hq, Hkv, D) in (32,8,128), (16,4,64), (9,3,64), (32,4,128); q/k norm on and off;
+rotary_dim D and D/2; bf16 and fp16; cache blocks of 16 and 1; ragged, shuffled
 slot mappings into caches pre-filled with random values (so untouched slots are checked);
 rows of qkv strided (a view of a wider buffer). Also: GPT-J (interleaved) RoPE, negative
 slots, zero tokens, CUDA-graph capture and replay, and paged attention reading the cache the
