@@ -81,12 +81,12 @@ def _run(opts: argparse.Namespace, flags: dict[str, object]) -> int:
         counter["n"] += 1
         return counter["n"] >= opts.decode_steps
 
+    context_before = sum(request.num_tokens for request in engine.scheduler.running)
     decode = _profile_phase(engine, decoded, tokens=opts.num_prompts * opts.decode_steps)
     report["phases"]["decode"] = decode
     kv_bytes = _kv_bytes_per_token(shape_config(opts.shape), engine.runner)
-    # Context read per decode step: every prompt plus the tokens decoded so far (about as many
-    # as prefill steps ran after the request's own, bounded by the phase's step count).
-    context = opts.num_prompts * (opts.input_len + prefill["steps"] + opts.decode_steps)
+    # Context read per decode step: the running requests' tokens, averaged over the phase.
+    context = (context_before + sum(request.num_tokens for request in engine.scheduler.running)) / 2
     attention_s = decode["families_ms"].get("attention", 0.0) / 1e3
     decode["kv_bytes_per_step"] = context * kv_bytes
     decode["attention_tb_s"] = context * kv_bytes * opts.decode_steps / attention_s / 1e12 if attention_s else None
@@ -107,7 +107,7 @@ def _run(opts: argparse.Namespace, flags: dict[str, object]) -> int:
         phase["gemm_tflops"] = 2 * params_per_token * phase["tokens"] / gemm_s / 1e12 if gemm_s else None
         if "attention_tb_s" in phase:
             print(f"{name}: attention reads ~{phase['kv_bytes_per_step'] / 1e9:.1f} GB of KV a step, "
-                  f"~{phase['attention_tb_s'] or 0:.2f} TB/s (an upper estimate: context counted generously)")
+                  f"~{phase['attention_tb_s'] or 0:.2f} TB/s (context: the running requests' tokens, mean over the phase)")
         print(f"{name}: {phase['steps']} steps, wall {phase['wall_s']:.3f} s, kernels {phase['kernel_ms'] / 1e3:.3f} s, "
               f"device idle {phase['device_idle_s']:.3f} s of its {phase['device_span_s']:.3f} s span, "
               f"{phase['tokens']} tokens, GEMM {phase['gemm_tflops'] or 0:.0f} TFLOPS")  # fmt: skip
