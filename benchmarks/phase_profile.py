@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import _server_flags, family_of  # noqa: E402
-from step_timeline import device_events  # noqa: E402
+from step_timeline import busy_time, device_events  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,12 +168,8 @@ def device_idle(events: list[dict]) -> tuple[float, float]:
     copy or memset covered (the device waiting on the host)."""
     if not events:
         return 0.0, 0.0
-    busy, cursor = 0.0, events[0]["start"]
-    for event in events:
-        start = max(event["start"], cursor)
-        busy += max(0.0, event["end"] - start)
-        cursor = max(cursor, event["end"])
-    span = cursor - events[0]["start"]
+    busy, end = busy_time(events)
+    span = end - events[0]["start"]
     return span / 1e6, (span - busy) / 1e6
 
 

@@ -75,15 +75,22 @@ def split_steps(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [s for s in steps if any(e["graph"] for e in s)]
 
 
+def busy_time(events: list[dict[str, Any]]) -> tuple[float, float]:
+    """``(busy, end)`` of device operations sorted by start: the time (same unit as their
+    ``start``/``end``) at least one of them ran, overlaps counted once, and the last end."""
+    busy, cursor = 0.0, events[0]["start"] if events else 0.0
+    for event in events:
+        start = max(event["start"], cursor)
+        busy += max(0.0, event["end"] - start)
+        cursor = max(cursor, event["end"])
+    return busy, cursor
+
+
 def describe_step(step: list[dict[str, Any]], next_start: float) -> dict[str, Any]:
     """A step's graph span, its other operations and its idle time (up to ``next_start``)."""
     graph = [e for e in step if e["graph"]]
     outside = [e for e in step if not e["graph"]]
-    busy, cursor = 0.0, step[0]["start"]
-    for event in step:
-        start = max(event["start"], cursor)
-        busy += max(0.0, event["end"] - start)
-        cursor = max(cursor, event["end"])
+    busy, _ = busy_time(step)
     period = next_start - step[0]["start"]
     return {
         "period_us": period,

@@ -2,10 +2,8 @@
 arithmetic), the bundled model shapes (they resolve for an H200, and have the published
 parameter counts), the roofline's byte model, and the HF peer script on CPU."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,9 +16,9 @@ from flotilla.deploy.bench_run import StepClock, percentile
 from flotilla.deploy.cli import main
 from flotilla.resolution import ModelFacts, ServerArgs, resolve
 from flotilla.resolution.platform import PRESETS
+from helpers.benchmark_scripts import import_benchmark
 from helpers.resolution_configs import LLAMA_128K
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
@@ -345,9 +343,7 @@ def test_percentile_interpolates():
 
 
 def test_hf_peer_bench_on_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("hf_peer_bench", REPO / "benchmarks" / "hf_peer_bench.py")
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
+    peer = import_benchmark("hf_peer_bench")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
     out = tmp_path / "hf.json"
@@ -367,9 +363,7 @@ def test_hf_peer_bench_on_cpu(tmp_path):
 def test_decode_profile_on_cpu(tmp_path, capsys):
     """The kernel profile script end to end on a tiny model (on CPU it counts CPU ops: no graphs,
     eager steps); families partition the per-step time."""
-    spec = importlib.util.spec_from_file_location("decode_profile", REPO / "benchmarks" / "decode_profile.py")
-    profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile)
+    profile = import_benchmark("decode_profile")
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "profile.json"
     assert profile.main(["--model", str(tmp_path), "--dtype", "float32", "--replays", "3", "--json", str(out)]) == 0
@@ -388,9 +382,7 @@ def test_decode_profile_turns_fused_ops_off_for_the_run_only(tmp_path):
     kernel registry afterwards; an unknown op name is a usage error naming it."""
     from flotilla.kernels import registry
 
-    spec = importlib.util.spec_from_file_location("decode_profile", REPO / "benchmarks" / "decode_profile.py")
-    profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile)
+    profile = import_benchmark("decode_profile")
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "profile.json"
     lookup = registry.get

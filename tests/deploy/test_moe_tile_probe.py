@@ -4,27 +4,13 @@ model in place of the GPU) and the probe's flags and launch arithmetic. The GPU 
 the device only; the kernels' correctness under every tile is the probe's ``--cpu-smoke``
 (Triton's interpreter, which this venv does not have)."""
 
-import importlib
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from helpers.benchmark_scripts import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _import_benchmark(name: str):
-    """A module of benchmarks/ (they import each other as scripts do: by file name)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-
-
-mts = _import_benchmark("moe_tile_sweep")
-probe = _import_benchmark("moe_tile_probe")
+mts = import_benchmark("moe_tile_sweep")
+probe = import_benchmark("moe_tile_probe")
 Tiles, TilePair = mts.Tiles, mts.TilePair
 
 H200_SMEM = 232448
@@ -237,7 +223,7 @@ def test_the_check_passes_rounding_and_catches_a_wrong_tile():
     """One bf16 rounding of every element passes; a missed column tile, a doubled K block or
     a NaN fails (what a wrong tile configuration would produce)."""
     torch = probe.torch
-    bench = _import_benchmark("moe_tile_bench")
+    bench = import_benchmark("moe_tile_bench")
     want = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
     assert bench.compare(want.to(torch.bfloat16), want)[0]
     missed = want.clone()

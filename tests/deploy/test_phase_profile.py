@@ -1,18 +1,10 @@
 """``benchmarks/phase_profile.py`` on CPU: the device-idle accounting it reports for a phase,
 on hand-built device operations (the profiling itself needs a GPU)."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
+from helpers.benchmark_scripts import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    phase_profile = importlib.import_module("phase_profile")
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+phase_profile = import_benchmark("phase_profile")
 
 
 def _op(start, end):

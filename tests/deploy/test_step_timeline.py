@@ -2,18 +2,10 @@
 operations a CUDA graph launched, where one decode step ends and the next begins, the busy
 and idle time of a step) on hand-built Kineto-style traces. The profiling itself needs a GPU."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
+from helpers.benchmark_scripts import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    timeline = importlib.import_module("step_timeline")
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+timeline = import_benchmark("step_timeline")
 
 
 def _kernel(name, ts, dur, correlation, cat="kernel", **args):
