@@ -392,7 +392,9 @@ def qkv_prepare(
         FP8_MANT_BITS=fp8[0],
         FP8_MIN_EXP=fp8[1],
         FP8_MAX=fp8[2],
-        num_warps=min(8, max(1, heads * block_d // 256)),
+        # NOTE: one head: a warp for D <= 128, two above (as measured before several heads a
+        # program existed); several heads: a warp per 256 values, at most 8.
+        num_warps=max(1 if block_d <= 128 else 2, min(8, heads * block_d // 256)),
         # NOTE: no mul+add -> FMA contraction: it would skip the rounding of a product that the
         # reference rounds (LLVM otherwise fuses r(x*cos) - r(x'*sin) into one bf16 FMA).
         enable_fp_fusion=False,
