@@ -5,14 +5,16 @@ rows that ride along), then ``--decode-steps`` decode-only steps, and print each
 time and kernel time by family (the families of ``decode_profile.py``).
 
     python benchmarks/phase_profile.py --shape llama-3.1-8b --num-prompts 64 --input-len 1000
-        [--decode-steps 8] [--json OUT] [any server flag as --name value]
+        [--decode-steps 8] [--cprofile-steps N] [--json OUT] [any server flag as --name value]
 
 Each phase also reports its GEMM throughput (2 x the model's projection parameters x the
-tokens the phase ran, over the GEMM family's kernel time) beside torch's own ``F.linear`` on
-the same weight shapes at ``--reference-m`` rows, timed in the same process: the gap between
-the two is what our GEMM calls leave, and the non-GEMM families are what a phase spends
-around them. This is the measurement behind the offline workload's budget in
-docs/benchmarks.md.
+phase's tokens, over the GEMM family's kernel time; the prefill phase counts its prompt
+tokens only, not the decode rows riding along, so its figure is a lower bound) beside torch's
+own ``F.linear`` on the same weight shapes at ``--reference-m`` rows, timed in the same
+process, and the time the device sat idle within the phase (waiting on the host).
+``--cprofile-steps N`` then runs N more decode steps under cProfile, without the torch
+profiler, and lists the host functions by own time. This is the measurement behind the
+offline workload's budget in docs/benchmarks.md.
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
@@ -47,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(opts: argparse.Namespace, flags: dict[str, object]) -> int:
-
     from flotilla.cluster.engine.llm import LLM
     from flotilla.cluster.engine.sampling_params import SamplingParams
     from flotilla.deploy.bench import shape_config
