@@ -211,7 +211,8 @@ def _kv_bytes_per_token(config: dict, runner) -> int:
 
 def _projection_shapes(model) -> list[tuple[int, int]]:
     """(out, in) of every 2-D projection weight a token passes through (embedding and LM head
-    left out: the head runs on sampled rows only)."""
+    left out: the head runs on sampled rows only). Dense models only: an MoE model's experts
+    are 3-D weights a token meets k of, not counted here, so its GEMM TFLOPS means nothing."""
     return [
         tuple(p.shape)
         for name, p in model.named_parameters()
