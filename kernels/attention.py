@@ -291,6 +291,34 @@ class StepLayout:
     def num_tokens(self) -> int:
         return int(self.query_start[-1])
 
+    def num_leading_decodes(self) -> int:
+        """How many sequences at the front of the step have exactly one new token (the
+        scheduler puts running decodes first, in arrival order)."""
+        single = (self.query_start[1:] - self.query_start[:-1]) == 1
+        return self.num_seqs if bool(single.all()) else int(single.int().argmin())
+
+    def split(self, num_seqs: int) -> tuple["StepLayout", "StepLayout"]:
+        """The first ``num_seqs`` sequences and the rest, as two layouts of their own
+        (query, page and index offsets rebased to 0). ValueError unless 0 < num_seqs < B."""
+        if not 0 < num_seqs < self.num_seqs:
+            raise ValueError(f"split needs 0 < num_seqs < {self.num_seqs}, got num_seqs={num_seqs}")
+        pages = int(self.page_indptr[num_seqs])
+        head = StepLayout(
+            self.query_start[: num_seqs + 1],
+            self.page_indptr[: num_seqs + 1],
+            self.page_indices[:pages],
+            self.last_page_len[:num_seqs],
+            self.seq_lens[:num_seqs],
+        )
+        tail = StepLayout(
+            self.query_start[num_seqs:] - self.query_start[num_seqs],
+            self.page_indptr[num_seqs:] - pages,
+            self.page_indices[pages:],
+            self.last_page_len[num_seqs:],
+            self.seq_lens[num_seqs:],
+        )
+        return head, tail
+
 
 def step_layout(meta: AttentionMetadata, pad_to: int | None = None, padding_page: int = 0) -> StepLayout:
     """The CPU page layout of ``meta`` (its optional CPU fields, which the runner fills).

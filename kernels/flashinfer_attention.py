@@ -6,7 +6,11 @@ reused by every layer:
 
 - a step with any ``query_len > 1`` (prefill chunks, possibly mixed with decodes) runs
   flashinfer's paged prefill wrapper, causal, with the FA3 (Hopper) kernels on SM90 for
-  head dims FA3 instantiates (64/128/256) and flashinfer's own choice elsewhere;
+  head dims FA3 instantiates (64/128/256) and flashinfer's own choice elsewhere; the
+  step's leading one-token sequences (the running decodes, which the scheduler puts first)
+  run on the paged decode wrapper instead (kind ``"mixed"``): the prefill kernels give each
+  sequence whole 128-row query tiles, which made a decode among prefills cost as much as a
+  128-token prefill over its context (``benchmarks/prefill_attention_probe.py``);
 - a pure decode step runs the paged decode wrapper; with ``graph_batch_size`` it runs that
   size's CUDA-graph decode wrapper, whose index buffers are fixed (``plan`` rewrites them,
   OUTSIDE capture/replay, before each replay);
@@ -77,12 +81,14 @@ class FlashInferStepPlan:
     """``meta.plan`` for flashinfer attention: the planned wrapper and what it was planned for.
 
     Attributes:
-        wrapper: a planned flashinfer prefill or decode wrapper (or MLA wrapper), or the
-            planner's :class:`~flotilla.kernels.triton_decode_attention.TritonDecode`.
+        wrapper: a planned flashinfer prefill or decode wrapper (or MLA wrapper), a
+            :class:`DecodesThenPrefills` of both, or the planner's
+            :class:`~flotilla.kernels.triton_decode_attention.TritonDecode`.
         num_tokens: query rows every ``run`` of this step must pass.
         scale: the planned softmax scale.
         sliding_window: the planned window (None: whole context).
-        kind: ``"prefill"``, ``"decode"``, ``"graph-decode"``, ``"triton-decode"``,
+        kind: ``"prefill"``, ``"mixed"`` (leading decodes on the decode wrapper, the rest
+            on the prefill wrapper), ``"decode"``, ``"graph-decode"``, ``"triton-decode"``,
             ``"triton-graph-decode"`` or ``"mla"`` (diagnostics).
     """
 
@@ -101,6 +107,22 @@ class FlashInferStepPlan:
                 f"attention called with scale={scale}, sliding_window={sliding_window}; the planner's "
                 f"AttentionShape says scale={self.scale}, sliding_window={self.sliding_window}"
             )
+
+
+class DecodesThenPrefills:
+    """A mixed step's attention as two planned wrappers: the first ``num_decode_tokens``
+    query rows (one per decoding sequence) on the decode wrapper, the rest on the prefill
+    wrapper, both writing into one output. Quacks like a wrapper (``run``)."""
+
+    def __init__(self, decode, prefill, num_decode_tokens: int) -> None:
+        self.decode, self.prefill, self.num_decode_tokens = decode, prefill, num_decode_tokens
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        split = self.num_decode_tokens
+        out = q.new_empty(q.shape[0], q.shape[1], paged_kv_cache[1].shape[-1])
+        self.decode.run(q[:split], paged_kv_cache, out=out[:split])
+        self.prefill.run(q[split:], paged_kv_cache, out=out[split:])
+        return out
 
 
 def require_plan(meta: AttentionMetadata) -> FlashInferStepPlan:
@@ -247,6 +269,22 @@ class FlashInferAttentionPlanner:
             self._plan_decode(self._decode, layout, layout.page_indices, common)
             meta.plan = FlashInferStepPlan(self._decode, layout.num_tokens, shape.scale, shape.sliding_window, "decode")
             return
+        num_decodes = layout.num_leading_decodes()
+        if num_decodes:
+            # NOTE: the prefill kernels give every sequence whole query tiles (FA3: 128 rows),
+            # so a decode among prefills costs a 128-token prefill over its context: mixed
+            # steps send their leading decodes to the decode kernel instead.
+            decodes, prefills = layout.split(num_decodes)
+            self._plan_decode(self._decode, decodes, decodes.page_indices, common)
+            self._plan_prefill(prefills, common)
+            mixed = DecodesThenPrefills(self._decode, self._prefill, decodes.num_tokens)
+            meta.plan = FlashInferStepPlan(mixed, layout.num_tokens, shape.scale, shape.sliding_window, "mixed")
+            return
+        self._plan_prefill(layout, common)
+        meta.plan = FlashInferStepPlan(self._prefill, layout.num_tokens, shape.scale, shape.sliding_window, "prefill")
+
+    def _plan_prefill(self, layout: StepLayout, common: dict) -> None:
+        shape = self.shape
         self._prefill.plan(
             layout.query_start,
             layout.page_indptr,
@@ -262,7 +300,6 @@ class FlashInferAttentionPlanner:
             window_left=self.window_left,
             **common,
         )
-        meta.plan = FlashInferStepPlan(self._prefill, layout.num_tokens, shape.scale, shape.sliding_window, "prefill")
 
     def _plan_triton(self, meta: AttentionMetadata, layout: StepLayout, kind: str) -> None:
         decode = self._triton_decode

@@ -1,6 +1,7 @@
 """flashinfer paged attention (kernels/flashinfer_attention.py) against the torch reference
 (kernels/attention.py, run in float32 on the same bf16/fp16 inputs) on a CUDA GPU:
-prefill chunks after a cached prefix mixed with decodes, pure decode (last block full,
+prefill chunks after a cached prefix mixed with decodes (after them, and before them: the
+leading decodes then run on the decode kernel), pure decode (last block full,
 partial, one token), one long prefill and one long decode (split-KV), GQA groups 1/3/4/8,
 head dims 64/128, blocks of 16 and 32, a sliding window, plans reused by two layers, and
 CUDA-graph decode replays (re-planned between replays, two graph sizes sharing buffers)
@@ -54,6 +55,9 @@ SCRATCH_BLOCK = 0  # never handed to a sequence: padding rows of graph batches w
 BATCHES = {
     # a prefill chunk after a cached prefix, a fresh prompt, a long chunk, three decodes
     "mixed": ([37, 0, 300, 15, 100, 0], [45, 17, 129, 1, 1, 1]),
+    # the scheduler's order: three decodes (to the decode kernel, kind "mixed"), prefill
+    # chunks, and a decode after them (left to the prefill kernel)
+    "decodes-first": ([200, 15, 1000, 37, 0, 300, 63], [1, 1, 1, 45, 17, 129, 1]),
     # decodes whose contexts end at a full block, one past it, mid-block, a 1-token prompt
     "decode": ([15, 16, 31, 200, 0, 1000, 63], [1, 1, 1, 1, 1, 1, 1]),
     "long-prefill": ([0], [1500]),
@@ -156,7 +160,10 @@ def run_case(shape: AttentionShape, batch, block_size, seed=0, layers=1) -> None
     for triton_decode in (True, False) if max(new) == 1 else (True,):
         planner = planner_for(shape, block_size, triton_decode=triton_decode)
         planner.plan(step.meta)
-        expected_kind = decode_kind(len(new), triton_decode) if max(new) == 1 else "prefill"
+        if max(new) == 1:
+            expected_kind = decode_kind(len(new), triton_decode)
+        else:
+            expected_kind = "mixed" if new[0] == 1 else "prefill"
         assert step.meta.plan.kind == expected_kind, f"planned {step.meta.plan.kind}, expected {expected_kind}"
         run_layers(shape, step, num_blocks, block_size, generator, layers)
 
@@ -181,17 +188,17 @@ def run_layers(shape, step, num_blocks, block_size, generator, layers) -> None:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_bf16_grid_matches_torch_reference(config, batch, block_size):
     shape = make_shape(*CONFIGS[config])
-    run_case(shape, BATCHES[batch], block_size, layers=2 if batch == "mixed" else 1)
+    run_case(shape, BATCHES[batch], block_size, layers=2 if batch in ("mixed", "decodes-first") else 1)
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_fp8_e4m3_cache_matches_torch_reference(config, batch):
     shape = make_shape(*CONFIGS[config], kv_dtype=torch.float8_e4m3fn)
-    run_case(shape, BATCHES[batch], 16, layers=2 if batch == "mixed" else 1)
+    run_case(shape, BATCHES[batch], 16, layers=2 if batch in ("mixed", "decodes-first") else 1)
 
 
-@pytest.mark.parametrize("batch", ["mixed", "decode", "long-decode"])
+@pytest.mark.parametrize("batch", ["mixed", "decodes-first", "decode", "long-decode"])
 @pytest.mark.parametrize("config", ["bf16-32/8-d128", "bf16-8/8-d128"])
 def test_fp8_e5m2_cache_matches_torch_reference(config, batch):
     run_case(make_shape(*CONFIGS[config], kv_dtype=torch.float8_e5m2), BATCHES[batch], 16)
@@ -216,13 +223,13 @@ def test_fp8_cache_planner_prefills_on_fa2_and_other_cache_dtypes_are_refused():
         planner(mla, "cuda", block_size=16, max_num_seqs=4, max_num_pages=64)
 
 
-@pytest.mark.parametrize("batch", ["mixed", "decode"])
+@pytest.mark.parametrize("batch", ["mixed", "decodes-first", "decode"])
 def test_fp16_matches_torch_reference(batch):
     run_case(make_shape(8, 8, 128, torch.float16), BATCHES[batch], 16)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("batch", ["mixed", "decode", "long-prefill"])
+@pytest.mark.parametrize("batch", ["mixed", "decodes-first", "decode", "long-prefill"])
 def test_sliding_window_matches_torch_reference(batch, block_size):
     # 37: not a multiple of the block size; most contexts here are longer than the window.
     run_case(make_shape(8, 8, 128, torch.bfloat16, sliding_window=37), BATCHES[batch], block_size)

@@ -1,5 +1,6 @@
 """The attention-planning helpers that run on CPU: the CSR page layout built from the
-runner's lists, its padding to a CUDA-graph batch, and the torch backend's no-op planner."""
+runner's lists, its padding to a CUDA-graph batch, its split into leading decodes and the
+rest, and the torch backend's no-op planner."""
 
 import pytest
 import torch
@@ -56,6 +57,24 @@ def test_step_layout_pads_a_decode_batch_to_the_graph_size():
     assert layout.last_page_len.tolist() == [1, 2, 1, 1]
     assert layout.seq_lens.tolist() == [5, 2, 1, 1]
     assert step_layout(meta, pad_to=2).page_indices.tolist() == [4, 6, 9]
+
+
+def test_step_layout_splits_its_leading_decodes_from_the_rest():
+    # two decodes (contexts 5 and 2), a 3-token chunk after 6 cached tokens, a trailing decode
+    meta = _meta([5, 2, 9, 3], [1, 1, 3, 1], [[4, 6], [9], [1, 2, 3], [7]])
+    layout = step_layout(meta)
+    assert layout.num_leading_decodes() == 2
+    decodes, rest = layout.split(2)
+    assert decodes.query_start.tolist() == [0, 1, 2] and rest.query_start.tolist() == [0, 3, 4]
+    assert decodes.page_indptr.tolist() == [0, 2, 3] and rest.page_indptr.tolist() == [0, 3, 4]
+    assert decodes.page_indices.tolist() == [4, 6, 9] and rest.page_indices.tolist() == [1, 2, 3, 7]
+    assert decodes.last_page_len.tolist() == [1, 2] and rest.last_page_len.tolist() == [1, 3]
+    assert decodes.seq_lens.tolist() == [5, 2] and rest.seq_lens.tolist() == [9, 3]
+    assert step_layout(_meta([5, 9], [2, 1], [[4, 6], [1, 2, 3]])).num_leading_decodes() == 0
+    assert step_layout(_meta([5, 2], [1, 1], [[4, 6], [9]])).num_leading_decodes() == 2
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match=f"num_seqs={bad}"):
+            layout.split(bad)
 
 
 def test_step_layout_errors_name_the_problem():
