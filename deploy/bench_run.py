@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from flotilla.cluster.engine.gc_pauses import frozen_heap
 from flotilla.deploy.bench_roofline import WeightBytes, mbu
 
 
@@ -135,23 +136,26 @@ class BatchTrace:
 
 
 def run_batch(engine: Any, clock: StepClock, prompts: list[list[int]], params: Any) -> BatchTrace:
-    """Submit ``prompts`` at once and step until all finish; RuntimeError when a request failed."""
+    """Submit ``prompts`` at once and step until all finish (the start-up heap frozen out of
+    the cycle collector, as ``LLM.generate`` and the serving loop run; see
+    :mod:`flotilla.cluster.engine.gc_pauses`); RuntimeError when a request failed."""
     started = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     steps: list[StepRecord] = []
-    while engine.has_unfinished_requests():
-        clock.last = None
-        t0 = time.perf_counter()
-        deltas = engine.step()
-        now = time.perf_counter()
-        if clock.last is not None:
-            steps.append(StepRecord(now - t0, *clock.last))
-        for delta in deltas:
-            if delta.token_ids:
-                first.setdefault(delta.request_id, now)
-                last[delta.request_id] = now
+    with frozen_heap():
+        while engine.has_unfinished_requests():
+            clock.last = None
+            t0 = time.perf_counter()
+            deltas = engine.step()
+            now = time.perf_counter()
+            if clock.last is not None:
+                steps.append(StepRecord(now - t0, *clock.last))
+            for delta in deltas:
+                if delta.token_ids:
+                    first.setdefault(delta.request_id, now)
+                    last[delta.request_id] = now
     finished = time.perf_counter()
     outputs = [engine.pop_output(i) for i in ids]
     if engine.dead is not None:
@@ -266,4 +270,27 @@ def offline_results(
         "steps": len(trace.steps),
         "max_batch_seqs": max((s.num_seqs for s in trace.steps), default=0),
         "roofline": decode_roofline(trace.decode_steps(), weights, kv_bytes_per_token, peak, devices),
+        "step_windows": step_windows(trace.steps),
     }
+
+
+def step_windows(steps: Sequence[StepRecord], windows: int = 40) -> list[dict[str, Any]]:
+    """The run's steps in about ``windows`` consecutive windows of equal step count, each with
+    its wall time, step count, decode-only steps, mean sequences a step, tokens and mean
+    context tokens a step: where a long run's time went (prefill, full decode, the tail)."""
+    size = max(1, -(-len(steps) // windows))
+    out = []
+    for first in range(0, len(steps), size):
+        chunk = steps[first : first + size]
+        out.append(
+            {
+                "first_step": first,
+                "steps": len(chunk),
+                "seconds": sum(s.seconds for s in chunk),
+                "decode_only_steps": sum(s.decode_only for s in chunk),
+                "mean_seqs": sum(s.num_seqs for s in chunk) / len(chunk),
+                "tokens": sum(s.num_tokens for s in chunk),
+                "mean_context_tokens": sum(s.context_tokens for s in chunk) / len(chunk),
+            }
+        )
+    return out

@@ -44,6 +44,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from flotilla.cluster.engine.gc_pauses import frozen_heap
 from flotilla.cluster.engine.kv_handoff import KVHandoffError
 from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
 from flotilla.cluster.engine.outputs import CompletionDelta
@@ -305,6 +306,12 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
     # -- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        # NOTE: the start-up heap stays out of the cycle collector while the loop runs (no
+        # full-collection pauses between steps; see flotilla.cluster.engine.gc_pauses).
+        with frozen_heap():
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while True:
                 commands = self._next_commands()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from flotilla.cluster.engine.gc_pauses import frozen_heap
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.outputs import RequestOutput
 from flotilla.cluster.engine.sampling_params import SamplingParams, as_param_list
@@ -120,10 +121,11 @@ class LLM:
                 self.engine.pop_output(request_id)
             raise
         pending = set(added)
-        while pending:
-            for delta in self.engine.step():
-                if delta.finish_reason is not None and self.engine.get_output(delta.request_id).finished:
-                    pending.discard(delta.request_id)
+        with frozen_heap():
+            while pending:
+                for delta in self.engine.step():
+                    if delta.finish_reason is not None and self.engine.get_output(delta.request_id).finished:
+                        pending.discard(delta.request_id)
         outputs = [self.engine.pop_output(request_id) for request_id in added]
         if self.engine.dead is not None:
             raise self.engine.dead

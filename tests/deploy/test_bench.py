@@ -12,7 +12,7 @@ from flotilla.cluster.models.dummy_weights import hf_tensor_shapes
 from flotilla.deploy.bench import shape_config, shape_names
 from flotilla.deploy.bench_roofline import WeightBytes, expected_distinct_experts
 from flotilla.deploy.bench_breakdown import HOST_PHASES, PhaseClock, decode_breakdown, time_graph_replay
-from flotilla.deploy.bench_run import StepClock, percentile
+from flotilla.deploy.bench_run import StepClock, StepRecord, percentile, step_windows
 from flotilla.deploy.cli import main
 from flotilla.resolution import ModelFacts, ServerArgs, resolve
 from flotilla.resolution.platform import PRESETS
@@ -125,6 +125,12 @@ def test_bench_offline_json(tiny_dir, tmp_path, capsys):
     assert res["ttft_s"]["max"] < res["wall_s"] and res["prefix_cache_hit_rate"] == 0.0
     # NOTE: all five prompts prefill in one step; the three later steps decode all five.
     assert res["roofline"]["decode_steps"] == 3 and res["max_batch_seqs"] == 5
+    # One window a step here (4 steps < 40 windows): the prefill of 50 tokens, then three decodes.
+    windows = res["step_windows"]
+    assert [w["first_step"] for w in windows] == [0, 1, 2, 3] and all(w["steps"] == 1 for w in windows)
+    assert [w["tokens"] for w in windows] == [50, 5, 5, 5] and [w["decode_only_steps"] for w in windows] == [0, 1, 1, 1]
+    assert [w["mean_context_tokens"] for w in windows] == [50, 55, 60, 65] and all(w["mean_seqs"] == 5 for w in windows)
+    assert sum(w["seconds"] for w in windows) <= res["wall_s"]
     # Contexts after decode steps: 11, 12, 13 per sequence -> mean 12 x 5 sequences.
     assert res["roofline"]["kv_bytes_per_step_mean"] == pytest.approx(60 * TINY_KV_BYTES_PER_TOKEN)
     _check_common(data, weights_per_step_rows=5)
@@ -340,6 +346,21 @@ def test_percentile_interpolates():
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
     assert percentile([7.0], 90) == 7.0 and percentile([], 50) is None
+
+
+def test_step_windows_cover_every_step_once():
+    # 100 steps into windows of ceil(100 / 40) = 3 steps: 34 windows, the last of one step.
+    steps = [StepRecord(0.01 * (i + 1), num_seqs=i % 7 + 1, num_tokens=2 * i, decode_only=i >= 10, context_tokens=i)
+             for i in range(100)]  # fmt: skip
+    windows = step_windows(steps)
+    assert len(windows) == 34 and [w["steps"] for w in windows] == [3] * 33 + [1]
+    assert [w["first_step"] for w in windows] == list(range(0, 100, 3))
+    assert sum(w["seconds"] for w in windows) == pytest.approx(sum(s.seconds for s in steps))
+    assert sum(w["tokens"] for w in windows) == sum(s.num_tokens for s in steps)
+    assert sum(w["decode_only_steps"] for w in windows) == 90 and windows[3]["decode_only_steps"] == 2
+    assert windows[1] == {"first_step": 3, "steps": 3, "seconds": pytest.approx(0.15), "decode_only_steps": 0,
+                          "mean_seqs": 5.0, "tokens": 24, "mean_context_tokens": 4.0}  # fmt: skip
+    assert step_windows([]) == [] and len(step_windows(steps, windows=200)) == 100
 
 
 def test_hf_peer_bench_on_cpu(tmp_path):
