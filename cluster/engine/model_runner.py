@@ -319,6 +319,9 @@ class ModelRunner:
             return -(-int(self.config.max_total_tokens) // dcp_size)
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
+        # NOTE: blocks the caching allocator still holds from loading (temporaries of dummy
+        # init, weight fusion) would otherwise count as in use and come off the KV budget.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = self.config.mem_fraction_static or 0.88
         # NOTE: what is already in use (weights, other processes) comes off the static share.
