@@ -11,11 +11,12 @@ showed as a step of a few hundred milliseconds every ~100-130 decode steps (docs
 :func:`frozen_heap` moves every tracked object to the permanent generation (``gc.freeze``)
 for the duration of a loop, so full collections only walk what the loop itself created; on
 exit the objects go back (``gc.unfreeze``) and cycles among them (garbage frozen on entry
-included) become collectable again. Both are list splices: cheap enough for every
-``LLM.generate`` call (no collection on entry, which would cost a full walk each time). Reference counting still frees frozen objects as usual: freezing only
-exempts them from the cycle collector. ``gc.freeze`` is process-wide: nested or concurrent
-loops (two engines in one process) share one permanent generation, and the first loop to
-exit unfreezes it for all (they then run as they would without it).
+included) become collectable again. Both are list splices, cheap enough for every
+``LLM.generate`` call (there is no collection on entry: that would cost a full walk each
+time). Reference counting still frees frozen objects as usual: freezing only exempts them
+from the cycle collector. ``gc.freeze`` is process-wide: nested or concurrent loops (two
+engines in one process) share one permanent generation, and the first loop to exit
+unfreezes it for all (they then run as they would without it).
 """
 
 from __future__ import annotations
