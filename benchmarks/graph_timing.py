@@ -1,6 +1,7 @@
-"""Timing of short GPU work for the probes in this folder: ``fn`` captured ``reps`` times
-into one CUDA graph, the graph replayed, the mean microseconds of one ``fn`` returned. A
-graph keeps launch gaps out of kernels of a few microseconds."""
+"""Timing of GPU work for the probes in this folder. Short work (kernels of a few
+microseconds): ``fn`` captured ``reps`` times into one CUDA graph, the graph replayed, the
+mean microseconds of one ``fn`` returned; a graph keeps launch gaps out. Work of a
+millisecond or more: ``fn`` launched ``reps`` times between two CUDA events."""
 
 from __future__ import annotations
 
@@ -28,3 +29,17 @@ def replay_us(fn: Callable[[], object], reps: int = 20, replays: int = 10) -> fl
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (replays * reps)
+
+
+def events_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Mean milliseconds of one ``fn`` over ``reps`` back-to-back launches after a warm-up,
+    timed with CUDA events (for work long enough that launch gaps do not count)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps

@@ -19,22 +19,11 @@ import sys
 from pathlib import Path
 
 import torch
+from graph_timing import events_ms  # benchmarks/graph_timing.py (run as a script from here)
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, PAGE = 32, 8, 128, 4096, 14336, 16
 # (out_features, in_features) of one Llama-3.1-8B layer's projections (qkv and gate_up fused).
 PROJECTIONS = ((6144, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
-
-
-def time_ms(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,15 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.current_stream().wait_stream(side)
 
     big = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
-    read_ms = time_ms(lambda: big.view(torch.int64).sum())
+    read_ms = events_ms(lambda: big.view(torch.int64).sum(), reps=5)
     copy_dst = torch.empty_like(big)
-    copy_ms = time_ms(lambda: copy_dst.copy_(big))
+    copy_ms = events_ms(lambda: copy_dst.copy_(big), reps=5)
     kv_bytes = 2 * batch * opts.context * KV_HEADS * HEAD_DIM * 2 * layers
     flops = 2 * batch * sum(n * k for n, k in PROJECTIONS) * layers
     row = {
         "half_batch": batch, "context": opts.context, "layers": layers,
-        "attention_ms": time_ms(attention), "gemm_ms": time_ms(gemms),
-        "sequential_ms": time_ms(sequential), "concurrent_ms": time_ms(concurrent),
+        "attention_ms": events_ms(attention, reps=5), "gemm_ms": events_ms(gemms, reps=5),
+        "sequential_ms": events_ms(sequential, reps=5), "concurrent_ms": events_ms(concurrent, reps=5),
         "read_tb_s": big.numel() / read_ms / 1e9, "copy_tb_s": 2 * big.numel() / copy_ms / 1e9,
     }  # fmt: skip
     row["attention_tb_s"] = kv_bytes / row["attention_ms"] / 1e9

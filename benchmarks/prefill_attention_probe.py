@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from graph_timing import events_ms  # benchmarks/graph_timing.py (run as a script from here)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -43,18 +44,6 @@ def causal_flops(batch: int, new: int, cached: int) -> float:
     ``cached`` keys and the new keys up to itself."""
     pairs = new * cached + new * (new + 1) / 2
     return 4.0 * HEAD_DIM * HEADS * pairs * batch
-
-
-def time_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def probe(flashinfer, workspace: torch.Tensor, batch: int, new: int, cached: int) -> dict:
@@ -74,7 +63,7 @@ def probe(flashinfer, workspace: torch.Tensor, batch: int, new: int, cached: int
     row: dict = {"batch": batch, "new": new, "cached": cached, "gflop": flops / 1e9, "ms": {}, "tflops": {}}
 
     def record(name: str, fn, out: torch.Tensor, reference: torch.Tensor | None) -> None:
-        ms = time_ms(fn)
+        ms = events_ms(fn)
         row["ms"][name], row["tflops"][name] = ms, flops / ms / 1e9
         if reference is not None:
             row.setdefault("max_diff", {})[name] = (out.float() - reference.float()).abs().max().item()
@@ -158,7 +147,7 @@ def probe_mixed(flashinfer, workspace: torch.Tensor, decodes: int, context: int,
         return out
 
     row = {"decodes": decodes, "context": context, "batch": batch, "new": new,
-           "whole_prefill_ms": time_ms(lambda: whole.run(q, kv)), "split_ms": time_ms(split),
+           "whole_prefill_ms": events_ms(lambda: whole.run(q, kv)), "split_ms": events_ms(split),
            "max_diff": (split().float() - whole.run(q, kv).float()).abs().max().item()}  # fmt: skip
     return row
 
