@@ -270,7 +270,9 @@ class FlashInferAttentionPlanner:
             meta.plan = FlashInferStepPlan(self._decode, layout.num_tokens, shape.scale, shape.sliding_window, "decode")
             return
         num_decodes = layout.num_leading_decodes()
-        if num_decodes:
+        # NOTE: a step whose CPU layout is all one-token rows but whose max_query_len says
+        # otherwise is planned whole on the prefill wrapper (correct, only slower).
+        if 0 < num_decodes < layout.num_seqs:
             # NOTE: the prefill kernels give every sequence whole query tiles (FA3: 128 rows),
             # so a decode among prefills costs a 128-token prefill over its context: mixed
             # steps send their leading decodes to the decode kernel instead.
