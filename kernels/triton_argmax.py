@@ -161,6 +161,24 @@ def _check(logits: torch.Tensor) -> None:
         raise ValueError(f"logits.shape[1] (the vocabulary) must be in [1, {_MAX_VOCAB}], got {logits.shape[1]}")
 
 
+def warm_up(vocab: int, device: torch.device | str) -> list[tuple[int, int]]:
+    """Run :func:`greedy_argmax` once at every batch of 1 to :data:`MAX_ROWS` rows of ``vocab``
+    values, so that no serving step compiles a variant or allocates scratch; returns the
+    distinct launch shapes ``(iters, parts)`` that were compiled (or loaded from Triton's cache).
+
+    Why: ``ITERS`` and the key count are compile-time constants that change with the batch
+    (V = 128256: six variants over B = 1..8), and Triton compiles each the first time it runs:
+    ~0.1-0.2 s apiece on an H200 box, which an offline run met as one 0.74 s stall when its
+    last few requests dropped the batch below 9 rows (docs/benchmarks.md, ninth pass)."""
+    shapes = []
+    logits = torch.zeros(MAX_ROWS, vocab, dtype=torch.float32, device=device)
+    for rows in range(1, MAX_ROWS + 1):
+        greedy_argmax(logits[:rows])
+        if launch_shape(rows, vocab) not in shapes:
+            shapes.append(launch_shape(rows, vocab))
+    return shapes
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` in one launch, exactly: ties to the lowest index, the
     first NaN of a row wins, ``-0.0`` equals ``+0.0``, an all ``-inf`` row gives 0.

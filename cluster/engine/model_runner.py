@@ -255,8 +255,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _warm_up(self) -> float:
-        """One eager prefill of a few tokens on the scratch block and a sample of two rows (greedy,
-        and top-k/top-p/min-p through the sampling backend's kernels); returns the seconds it took.
+        """One eager prefill of a few tokens on the scratch block, a sample of two rows (greedy,
+        and top-k/top-p/min-p through the sampling backend's kernels) and the greedy argmax at
+        every small batch (:meth:`Sampler.warm_up`); returns the seconds it took.
 
         NOTE: the sampled row draws from the engine's generator: with --random-seed the stream
         is offset by the same draw at every start, so runs stay reproducible."""
@@ -271,6 +272,7 @@ class ModelRunner:
         ]
         with torch.inference_mode():
             self.sampler(logits.expand(2, -1).contiguous(), rows)
+            self.sampler.warm_up(logits.shape[1], logits.device)
         if self.load_recorder is not None:
             self.load_recorder.reset()  # NOTE: the warm-up pass is no traffic
         self._synchronize()

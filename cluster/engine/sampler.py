@@ -139,6 +139,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         return self.sample(logits, rows)
 
+    def warm_up(self, vocab_size: int, device: torch.device) -> list[tuple[int, int]]:
+        """Compile, before serving, what greedy rows may launch at any small batch (see
+        :func:`flotilla.kernels.triton_argmax.warm_up`); returns its launch shapes, or ``[]``
+        where greedy rows stay on ``torch.argmax`` (CPU, no Triton, turned off)."""
+        module = _triton_argmax() if torch.device(device).type == "cuda" else None
+        if module is None or not module.ENABLED:
+            return []
+        return module.warm_up(vocab_size, device)
+
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         return self.launch(logits, rows).resolve()
 

@@ -167,3 +167,31 @@ def test_sampler_greedy_tokens_are_the_same_with_the_switch_on_and_off(rows, mon
         assert (scratch in argmax._SCRATCH) == (enabled and rows <= argmax.MAX_ROWS)
     want = [tied.argmax(dim=-1).tolist(), distinct.argmax(dim=-1).tolist()]  # top_k=1 keeps only the argmax
     assert tokens[True] == tokens[False] == want
+
+
+def _compiled_variants(kernel) -> int:
+    """How many compiled variants Triton holds for ``kernel`` (all devices)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_sampler_warm_up_leaves_no_batch_size_to_compile_while_serving():
+    """After the sampler's warm-up, greedy steps of every batch the Triton argmax takes (1 to
+    MAX_ROWS rows) compile nothing and allocate no scratch: each batch size's compile-time
+    constants were compiled at start. An odd vocabulary (a specialisation no other test here
+    uses) so the variants cannot come from an earlier test."""
+    from flotilla.cluster.engine.sampler import Sampler, SamplingRow
+    from flotilla.cluster.engine.sampling_params import SamplingParams
+
+    argmax = _argmax()
+    vocab = 128257
+    shapes = Sampler().warm_up(vocab, torch.device("cuda"))
+    sizes = range(1, argmax.MAX_ROWS + 1)
+    assert sorted(shapes) == sorted({argmax.launch_shape(rows, vocab) for rows in sizes})
+    assert len(shapes) > 1  # NOTE: the constants do change with the batch (why a warm-up is needed)
+    compiled, scratch = _compiled_variants(argmax._argmax_kernel), set(argmax._SCRATCH)
+    for rows in sizes:
+        logits = argmax_case("random", rows, vocab, "cuda", seed=rows)
+        tokens = Sampler()(logits, [SamplingRow(SamplingParams(temperature=0)) for _ in range(rows)])
+        assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist()
+    assert _compiled_variants(argmax._argmax_kernel) == compiled
+    assert set(argmax._SCRATCH) == scratch

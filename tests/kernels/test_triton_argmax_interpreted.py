@@ -21,6 +21,7 @@ Without ``TRITON_INTERPRET=1`` (CI, or a GPU machine) this file is not collected
 import os
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
@@ -64,3 +65,17 @@ def test_launch_shapes_cover_the_row_with_at_most_target_programs():
             assert 1 <= iters <= argmax.MAX_ITERS
             assert (parts - 1) * chunk < vocab <= parts * chunk
             assert iters == argmax.MAX_ITERS or rows * parts <= argmax.TARGET_PROGRAMS, (rows, vocab, iters, parts)
+
+
+def test_warm_up_runs_every_small_batch_and_reports_its_launch_shapes():
+    """``warm_up`` launches the argmax at every batch of 1 to MAX_ROWS rows (each gets its
+    scratch, which the call leaves zeroed) and returns the distinct launch shapes among them."""
+    from flotilla.kernels import triton_argmax as argmax
+
+    vocab = 5000
+    shapes = argmax.warm_up(vocab, "cpu")
+    sizes = range(1, argmax.MAX_ROWS + 1)
+    assert sorted(shapes) == sorted({argmax.launch_shape(rows, vocab) for rows in sizes})
+    for rows in sizes:
+        keys, counters = argmax._SCRATCH[(torch.device("cpu"), rows, argmax.launch_shape(rows, vocab)[1])]
+        assert not counters.any()
