@@ -6,7 +6,10 @@ and Qwen3-30B-A3B (32/4) head layouts, head dim 128, bf16, 16-token pages, timed
 replays of 20 back-to-back calls.
 
     python benchmarks/attention_probe.py [--json OUT] [--batches 1,2,4,8,16] [--kv-lens 256,640,2048,8192] [--sweep]
-        [--merge-group N]
+        [--merge-group N] [--kv-dtype float8_e4m3fn]
+
+``--kv-dtype float8_e4m3fn`` times a float8 cache (both kernels widen it to bf16 as they load);
+each row also has the KV bytes one call reads over flashinfer's time (``flashinfer_tb_s``).
 
 ``--sweep`` also times the Triton kernel over launch configurations
 (``programs/BLOCK_N/min chunk/stages``, see ``TritonDecode``'s tuning arguments). The Triton
@@ -45,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-lens", default="256,640,2048,8192")
     parser.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch configurations too")
     parser.add_argument("--merge-group", type=int, default=None, help="splits per group of the folded merge")
+    parser.add_argument("--kv-dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16")
     opts = parser.parse_args(argv)
+    kv_dtype = getattr(torch, opts.kv_dtype)
     import flashinfer
 
     from flotilla.kernels.triton_decode_attention import TritonDecode
@@ -55,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     for layout, (heads, kv_heads) in LAYOUTS.items():
         for batch in (int(b) for b in opts.batches.split(",")):
             for kv_len in (int(n) for n in opts.kv_lens.split(",")):
-                row = {"layout": layout, "batch": batch, "kv_len": kv_len,
+                row = {"layout": layout, "batch": batch, "kv_len": kv_len, "kv_dtype": opts.kv_dtype,
                        **_probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, opts.sweep,
-                                 opts.merge_group)}  # fmt: skip
+                                 opts.merge_group, kv_dtype)}  # fmt: skip
+                kv_bytes = 2 * batch * kv_len * kv_heads * HEAD_DIM * kv_dtype.itemsize
+                row["flashinfer_tb_s"] = kv_bytes / row["flashinfer_us"] / 1e6
                 print(f"{layout:14} batch {batch:3} kv {kv_len:5}: flashinfer {row['flashinfer_us']:7.2f} us, "
                       f"triton {row['triton_us']:7.2f} us ({row['flashinfer_us'] / row['triton_us']:.2f}x, "
                       f"max diff {row['max_diff']:.1e}), one-level fold {row['triton_one_level_us']:7.2f} us, "
-                      f"with the merge launch {row['triton_merge_launch_us']:7.2f} us (diff {row['fold_max_diff']:.1e})",
+                      f"with the merge launch {row['triton_merge_launch_us']:7.2f} us (diff {row['fold_max_diff']:.1e}), "
+                      f"flashinfer reads {row['flashinfer_tb_s']:.2f} TB/s of KV",
                       flush=True)  # fmt: skip
                 if opts.sweep:
                     best = min(row["sweep_us"], key=row["sweep_us"].get)
@@ -85,13 +93,14 @@ def _label(config: dict[str, int]) -> str:
     return "{target_programs}/{block_n}/c{min_chunk}/s{num_stages}".format(**config)
 
 
-def _probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, sweep=False, merge_group=None) -> dict:
+def _probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, sweep=False, merge_group=None,
+           kv_dtype=torch.bfloat16) -> dict:
     from flotilla.kernels.triton_decode_attention import MAX_SPLITS, MERGE_GROUP
 
     pages = (kv_len + PAGE - 1) // PAGE
     num_pages = batch * pages
-    k_cache = torch.randn(num_pages, PAGE, kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = torch.randn(num_pages, PAGE, kv_heads, HEAD_DIM, device="cuda").to(kv_dtype)
+    v_cache = torch.randn(num_pages, PAGE, kv_heads, HEAD_DIM, device="cuda").to(kv_dtype)
     q = torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     # NOTE: pages in a shuffled order, as a long-running pool hands them out.
     indices_cpu = torch.randperm(num_pages, dtype=torch.int32)
@@ -104,7 +113,7 @@ def _probe(flashinfer, TritonDecode, workspace, heads, kv_heads, batch, kv_len, 
         paged_kv_last_page_len_buffer=last.clone(),
     )  # fmt: skip
     wrapper.plan(indptr, indices, last, heads, kv_heads, HEAD_DIM, PAGE,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+                 q_data_type=torch.bfloat16, kv_data_type=kv_dtype)  # fmt: skip
     expected = wrapper.run(q, (k_cache, v_cache))
 
     def triton(**config):

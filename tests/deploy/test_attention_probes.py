@@ -1,6 +1,6 @@
-"""The GPU probes behind docs/benchmarks.md's eighth pass, on CPU: the case syntax and FLOP
+"""The GPU probes behind docs/benchmarks.md's eighth and ninth passes, on CPU: the case syntax and FLOP
 count of ``benchmarks/prefill_attention_probe.py`` (against a brute-force count of the causal
-query-key pairs) and the layer shapes of ``benchmarks/overlap_probe.py`` (against the bundled
+query-key pairs) and the layer shapes of ``benchmarks/overlap_probe.py`` and ``gemm_probe.py`` (against the bundled
 Llama-3.1-8B config). Their timings need CUDA and flashinfer and run on the device only."""
 
 import pytest
@@ -34,3 +34,11 @@ def test_overlap_probe_layer_is_the_llama_layer():
     assert (overlap.HEADS, overlap.KV_HEADS, overlap.HEAD_DIM) == (
         config["num_attention_heads"], config["num_key_value_heads"], head_dim)  # fmt: skip
     assert (prefill.HEADS, prefill.KV_HEADS, prefill.HEAD_DIM) == (overlap.HEADS, overlap.KV_HEADS, overlap.HEAD_DIM)
+
+
+def test_gemm_probe_shapes_are_the_llama_projections_and_lm_head():
+    gemm = import_benchmark("gemm_probe")
+    config = shape_config("llama-3.1-8b")
+    projections = {name: (n, k) for name, n, k in gemm.SHAPES}
+    assert tuple(projections[name] for name in ("qkv", "o", "gate_up", "down")) == overlap.PROJECTIONS
+    assert projections["lm_head"] == (config["vocab_size"], config["hidden_size"])
