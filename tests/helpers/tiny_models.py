@@ -48,3 +48,12 @@ def save_word_tokenizer(path: Path, vocab_size: int = 256) -> None:
 def word_token_ids(text: str) -> list[int]:
     """The token ids of a text written by :func:`save_word_tokenizer`'s tokenizer."""
     return [int(word[1:]) for word in text.split()]
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF's greedy continuation with end-of-sequence switched off: ``ignore_eos`` semantics
+    (``min_new_tokens`` would instead forbid the eos token and change the choice)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()

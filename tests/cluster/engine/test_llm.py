@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flotilla import LLM, SamplingParams
-from helpers.tiny_models import save_tiny_llama
+from helpers.tiny_models import hf_greedy, save_tiny_llama
 from helpers.torch_threads import one_intra_op_thread
 
 NEW_TOKENS = 40
@@ -38,15 +38,6 @@ def tiny_llama(tmp_path_factory):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    """HF's greedy continuation with end-of-sequence switched off: ``ignore_eos`` semantics
-    (``min_new_tokens`` would instead forbid the eos token and change the choice)."""
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def _generate(path, prompts, **flags):
