@@ -179,6 +179,9 @@ def reset_prefix_cache(engine: Any) -> None:
     pool = getattr(engine.scheduler, "pool", None)
     if pool is not None and hasattr(pool, "reset_prefix_cache"):
         pool.reset_prefix_cache()
+    host_tier = getattr(engine.scheduler, "host_tier", None)
+    if host_tier is not None:
+        host_tier.clear()  # NOTE: the host tier of the prefix cache (--enable-hierarchical-cache)
 
 
 def decode_roofline(

@@ -73,6 +73,11 @@ def build_scheduler(config: "ResolvedConfig", scheduler_config: SchedulerConfig)
     dp_size = attention_dp_size(config)
     if dp_size == 1 and not can_grow_elastic_ep(config):
         return Scheduler(scheduler_config)
+    if scheduler_config.num_host_blocks:
+        raise NotImplementedError(
+            "enable_hierarchical_cache=True is not supported with DP attention or an elastic EP group: "
+            "the host tier's copies are not routed to one DP rank's cache; drop --enable-hierarchical-cache"
+        )
     if config.max_running_requests:
         per_rank = max(1, int(config.max_running_requests) // dp_size)
         scheduler_config = replace(scheduler_config, max_num_seqs=min(per_rank, scheduler_config.max_num_seqs))

@@ -52,7 +52,8 @@ def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> Scheduler
     ``--chunked-prefill-size`` is the step token budget (``-1`` turns chunking off, and the
     budget becomes ``--max-prefill-tokens``); ``--max-running-requests`` caps running requests
     (default 256; capped at the step budget so each can decode every step);
-    ``--disable-radix-cache`` turns prefix caching off.
+    ``--disable-radix-cache`` turns prefix caching off; ``--enable-hierarchical-cache`` gives it
+    the host tier the runner allocated (``kv.host_blocks``).
     """
     chunk = config.chunked_prefill_size
     chunked = chunk is not None and chunk > 0
@@ -66,6 +67,7 @@ def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> Scheduler
         max_num_batched_tokens=int(budget),
         enable_prefix_caching=not config.disable_radix_cache,
         enable_chunked_prefill=chunked,
+        num_host_blocks=kv.host_blocks,
     )
 
 
@@ -595,6 +597,10 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": pool.usage,
         }
+        host_tier = getattr(self.scheduler, "host_tier", None)
+        if host_tier is not None:
+            stats["host_kv_stored_blocks"] = host_tier.stored_blocks
+            stats["host_kv_loaded_blocks"] = host_tier.loaded_blocks
         for key, value in self.startup_report().items():
             if key.endswith("_s"):
                 stats[f"startup_{key}"] = value

@@ -24,6 +24,8 @@ import torch
 
 from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes, uncapturable_collectives
 from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
+from flotilla.cluster.engine.host_kv_store import HostKVStore
+from flotilla.cluster.engine.host_kv_tier import host_kv_blocks
 from flotilla.cluster.engine.input_staging import InputStaging
 from flotilla.cluster.engine.kernel_backends import has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
@@ -73,12 +75,16 @@ class KVCacheLayout:
     ``scratch_block`` (CUDA kernel backends only, else None) is one more cache block, past the
     ``num_blocks`` the scheduler hands out: padding rows of a CUDA-graph batch and the
     start-up warm-up write and read there, never a request.
+
+    ``host_blocks`` is the host tier's size in blocks (``--enable-hierarchical-cache``; 0 when
+    off): :class:`~flotilla.cluster.engine.host_kv_store.HostKVStore` slots on every rank.
     """
 
     num_blocks: int
     block_size: int
     bytes_per_token: int
     scratch_block: int | None = None
+    host_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -187,11 +193,16 @@ class ModelRunner:
         num_blocks = max(1, num_rows // block_size)
         # NOTE: the scratch block lies past the scheduler's num_blocks (one block above the budget).
         scratch = num_blocks if self.device.type == "cuda" and self.backends.attention != "torch" else None
-        self.kv_layout = KVCacheLayout(num_blocks, block_size * dcp_size, -(-row_bytes // dcp_size), scratch)
         with torch.inference_mode():
             self.kv_caches = spec.allocate(num_blocks + (scratch is not None), block_size, self.device)
+        block_bytes = sum(t[0].numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        host_blocks = host_kv_blocks(config, block_bytes, num_blocks)
+        self.kv_layout = KVCacheLayout(num_blocks, block_size * dcp_size, -(-row_bytes // dcp_size), scratch, host_blocks)
         self._synchronize()
         allocated = time.perf_counter()
+        # The host tier's bytes (--enable-hierarchical-cache): pinned on CUDA, seconds for tens of GB.
+        self.host_kv = HostKVStore(self.kv_caches, host_blocks, self.device) if host_blocks else None
+        host_allocated = time.perf_counter()
         context = int(config.context_length or 0) or self.kv_layout.num_tokens
         pages_per_seq = -(-min(context, self.kv_layout.num_tokens) // self.kv_layout.block_size)
         # NOTE: a planner's padding rows read the scratch block (only graph planners pad).
@@ -232,6 +243,8 @@ class ModelRunner:
         self._startup = {
             "load_s": loaded - started,
             "kv_alloc_s": allocated - loaded,
+            "host_kv_alloc_s": host_allocated - allocated,
+            "host_kv_blocks": host_blocks,
             "warmup_s": warmup_s,
             "graph_capture_s": self.graphs.capture_s if self.graphs is not None else 0.0,
             "graph_batch_sizes": list(graph_sizes),
@@ -246,8 +259,9 @@ class ModelRunner:
         ``warmup_s`` (one eager prefill and a sample on the scratch block: kernel JIT and
         library set-up land here, not in the first request), ``graph_capture_s``,
         ``graph_batch_sizes`` (captured decode sizes; empty when off), ``graphs_off_reason``
-        (None when on), ``kernel_backends``, ``kv_blocks`` and ``kv_cache_dtype`` (what the
-        cache stores, e.g. ``float8_e4m3fn``)."""
+        (None when on), ``kernel_backends``, ``kv_blocks``, ``kv_cache_dtype`` (what the
+        cache stores, e.g. ``float8_e4m3fn``), ``host_kv_blocks`` and ``host_kv_alloc_s`` (the
+        host tier of ``--enable-hierarchical-cache``: 0 blocks when off)."""
         return dict(self._startup)
 
     def _synchronize(self) -> None:
@@ -371,6 +385,7 @@ class ModelRunner:
         A pure decode step that fits a captured CUDA graph replays it (every row's logits,
         valid until the next step); any other step runs eagerly (attention planned once, then
         the forward). ``feed``: see :meth:`launch`."""
+        self._move_host_kv(step)
         input_ids, positions, meta, sample_index = self.prepare_inputs(step, allow_pending=feed is not None)
         if feed is not None:
             _feed_pending_tokens(input_ids, step, feed)
@@ -384,6 +399,19 @@ class ModelRunner:
         if sample_index.shape[0] == 0:
             return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, sample_index))
+
+    def _move_host_kv(self, step: SchedulerOutput) -> None:
+        """Queue the step's copies between the KV cache and the host tier (offloads first),
+        ahead of its forward on the same stream (see :mod:`~flotilla.cluster.engine.host_kv_store`)."""
+        offload, load = getattr(step, "kv_offload", None), getattr(step, "kv_load", None)
+        if not (offload or load):
+            return
+        if self.host_kv is None:
+            raise RuntimeError("the step moves KV blocks to or from the host tier, but this runner has none")
+        if offload:
+            self.host_kv.offload(offload)
+        if load:
+            self.host_kv.load(load)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One eager forward pass over the paged KV cache (counted as one pass by the load

@@ -11,8 +11,15 @@ leaves it the step it finishes; nothing waits for a batch to drain.
 When the pool cannot give a running request the block its next token needs, the
 most recently arrived running request is preempted: its blocks are freed, its
 computed count drops to zero, and it goes back to the FRONT of the waiting queue
-with the tokens it has sampled so far, to be recomputed (prompt + outputs; the
-prefix cache usually still holds most of it).
+with the tokens it has sampled so far, to be recomputed (prompt + outputs) when it
+is admitted again, less what the prefix cache still holds then.
+
+With a host tier (``num_host_blocks``, ``--enable-hierarchical-cache``) a preempted
+request's committed full blocks are copied to host memory first (``kv_offload``),
+and admission continues the prefix match there after the GPU cache's: the blocks
+found are loaded into fresh GPU blocks (``kv_load``) instead of being recomputed
+(:mod:`~flotilla.cluster.engine.host_kv_tier`). A step never has both: nothing is
+admitted in a step that preempts.
 
 NOTE: fairness invariant. ``running`` and ``waiting`` are both in arrival order,
 and every running request arrived before every waiting one: admission never
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from flotilla.cluster.engine.block_manager import KVBlockPool
+from flotilla.cluster.engine.host_kv_tier import HostKVTier
 from flotilla.cluster.engine.request import Request, RequestStatus
 
 
@@ -51,6 +59,8 @@ class SchedulerConfig:
         enable_prefix_caching: reuse cached blocks of shared prompt prefixes.
         enable_chunked_prefill: split a prompt over steps to fit the budget; when
             off, a prefill is scheduled whole or not at all.
+        num_host_blocks: KV blocks the host tier holds (0: no host tier; preempted
+            requests are recomputed); needs prefix caching.
     """
 
     num_blocks: int
@@ -59,10 +69,18 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             _check_positive_int(name, getattr(self, name))
+        if isinstance(self.num_host_blocks, bool) or not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an integer >= 0 (got num_host_blocks={self.num_host_blocks!r})")
+        if self.num_host_blocks and not self.enable_prefix_caching:
+            raise ValueError(
+                f"num_host_blocks={self.num_host_blocks} needs enable_prefix_caching=True: the host tier is "
+                f"indexed by prefix-cache keys"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -108,11 +126,17 @@ class SchedulerOutput:
         scheduled: running requests first (arrival order), then newly admitted ones.
         preempted: requests that lost their blocks this step (now waiting again).
         num_batched_tokens: sum of ``num_new_tokens``.
+        kv_offload: ``(block_id, host_slot)`` copies to queue before this step's
+            forward (blocks of the preempted requests, before others reuse them).
+        kv_load: ``(host_slot, block_id)`` copies to queue before this step's forward
+            (prefix blocks found in the host tier, into the admitted requests' blocks).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    kv_offload: list[tuple[int, int]] = field(default_factory=list)
+    kv_load: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -148,6 +172,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._next_arrival = 0
         self.num_preemptions = 0
+        self.host_tier = HostKVTier(config.num_host_blocks) if config.num_host_blocks else None
         # Block references kept past their request's end (hold_blocks), by request id.
         self._held: dict[str, list[int]] = {}
 
@@ -333,6 +358,7 @@ class Scheduler:
                 # NOTE: the victim is the latest arrival; requests before index are
                 # already scheduled and are never victims (the loop stops at itself).
                 victim = self.running.pop()
+                self._offload(victim, out)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -347,6 +373,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_cached = self.pool.match_prefix(request.all_token_ids, request.block_hashes)
+            host_keys = self._host_hits(request, len(cached_blocks))
+            num_cached += len(host_keys) * self.pool.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -357,9 +385,15 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self.pool.touch(cached_blocks)
-            request.block_ids = cached_blocks + self.pool.allocate(needed)
+            fresh = self.pool.allocate(needed)
+            request.block_ids = cached_blocks + fresh
             request.num_committed_blocks = len(cached_blocks)
             request.num_computed_tokens = num_cached
+            if host_keys:
+                out.kv_load += zip(self.host_tier.take(host_keys), fresh)
+                # NOTE: the loads are queued before this step's forward, so the blocks may
+                # serve other requests' prefix matches from now on.
+                self.pool.commit_full_blocks(request)
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
                 self.pool.record_prefix_query(request.num_prompt_tokens, request.num_cached_prompt_tokens)
@@ -400,6 +434,31 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------
 
+    def _offload(self, request: Request, out: SchedulerOutput) -> None:
+        """With a host tier, queue copies of ``request``'s committed full blocks there (those
+        not stored yet), before its blocks are freed."""
+        if self.host_tier is None:
+            return
+        for index in range(request.num_committed_blocks):
+            slot = self.host_tier.store(request.block_hashes[index])
+            if slot is not None:
+                out.kv_offload.append((request.block_ids[index], slot))
+
+    def _host_hits(self, request: Request, num_gpu_blocks: int) -> list:
+        """The keys of ``request``'s blocks after its first ``num_gpu_blocks`` (matched in the
+        GPU cache) that the host tier holds, in order up to the first miss; never the block
+        of the last token (as :meth:`KVBlockPool.match_prefix`, something is left to compute).
+        NOTE: ``match_prefix`` has already extended ``request.block_hashes`` that far."""
+        if self.host_tier is None:
+            return []
+        matchable = (request.num_tokens - 1) // self.pool.block_size
+        keys = []
+        for key in request.block_hashes[num_gpu_blocks:matchable]:
+            if key not in self.host_tier:
+                break
+            keys.append(key)
+        return keys
+
     def _preempt(self, request: Request) -> None:
         self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
@@ -433,3 +492,5 @@ class Scheduler:
             for block in blocks:
                 refs[block] = refs.get(block, 0) + 1
         self.pool.check_invariants(refs)
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()

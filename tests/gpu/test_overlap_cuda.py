@@ -28,12 +28,16 @@ def model_dir(tmp_path_factory):
     return write_smollm2_dummy_dir(tmp_path_factory.mktemp("smollm2-overlap"))
 
 
-def generate(model_dir, dtype, params, prompts, **flags):
+def generate(model_dir, dtype, params, prompts, stats=None, max_total_tokens=8192, **flags):
+    """``(overlap on, each prompt's tokens, KV blocks still used)``; ``stats`` (a dict) gets
+    the engine's stats."""
     with dummy_weights_drawn_on_cpu():
-        llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_total_tokens=8192,
+        llm = LLM(model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_total_tokens=max_total_tokens,
                   cuda_graph_max_bs_decode=4, **flags)  # fmt: skip
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        if stats is not None:
+            stats.update(llm.engine.stats())
         return llm.engine.overlap, [o.outputs[0].token_ids for o in outs], llm.engine.scheduler.pool.num_used_blocks
     finally:
         llm.shutdown()
@@ -56,4 +60,20 @@ def test_overlap_with_staggered_stops_in_float32(model_dir):
     off, serial, used_off = generate(model_dir, "float32", params, prompts, disable_overlap_schedule=True)
     assert (on, off) == (True, False)
     assert overlapped == serial and [len(t) for t in overlapped] == [3, 9, 1, 17, 12]
+    assert used_on == used_off == 0
+
+
+def test_host_tier_under_overlap_keeps_the_tokens_in_float32(model_dir):
+    """``--enable-hierarchical-cache`` with a pool of 8 blocks the four requests outgrow: the
+    victims' blocks go to pinned host memory by non-blocking copies queued while the step
+    before still runs, and come back into fresh blocks before the forward that reads them.
+    The oracle is the same engine without the tier (it recomputes the victims)."""
+    prompts = random_prompts([12, 25, 40, 17], 49152, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    stats = {}
+    on, tiered, used_on = generate(model_dir, "float32", params, prompts, stats, max_total_tokens=128,
+                                   enable_hierarchical_cache=True)  # fmt: skip
+    _, recomputed, used_off = generate(model_dir, "float32", params, prompts, max_total_tokens=128)
+    assert on and stats["num_preemptions"] > 0 and stats["host_kv_loaded_blocks"] > 0, stats
+    assert tiered == recomputed and [len(t) for t in tiered] == [24] * 4
     assert used_on == used_off == 0

@@ -98,3 +98,22 @@ def test_tp2_pipelined_steps_match_tp1(ray_cluster, tiny_llama_prompts):
             llm.shutdown()
     assert all(len(t) == NEW_TOKENS for t in results[0])
     assert results[1] == results[0]
+
+
+def test_tp2_host_tier_loads_preempted_blocks_on_every_rank_and_matches_tp1(ray_cluster, tiny_llama_prompts):
+    """``--enable-hierarchical-cache`` on a TP=2 group: the step carries the host copies to
+    every rank, each copying its own heads' share of the blocks; with an 8-block pool the
+    three requests preempt each other, and the tokens equal one rank's without the tier."""
+    path, prompts = tiny_llama_prompts
+    results = []
+    for flags in ({}, {"tp_size": 2, "enable_hierarchical_cache": True}):
+        llm = LLM(path, max_total_tokens=128, **flags)
+        try:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)])
+            if flags:
+                stats = llm.engine.stats()
+                assert stats["num_preemptions"] > 0 and stats["host_kv_loaded_blocks"] > 0, stats
+                assert llm.engine.runner.kv_layout.host_blocks == 16  # hicache_ratio 2.0 x 8 blocks
+        finally:
+            llm.shutdown()
+    assert results[1] == results[0]

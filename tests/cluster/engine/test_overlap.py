@@ -172,6 +172,21 @@ def test_preemption_under_a_tiny_pool_keeps_the_outputs(model_path):
     assert_no_leak(engine)
 
 
+def test_preemption_with_a_host_tier_loads_blocks_back_and_keeps_the_outputs(model_path):
+    """The same, with the host tier (--enable-hierarchical-cache): a victim's offload is queued
+    while the step before it (which may still write the victim's blocks) is in flight."""
+    prompts = [list(range(i, i + 20)) for i in range(1, 80, 13)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = run(make_engine(model_path, False, max_total_tokens=128), prompts, params)
+    engine = make_engine(model_path, True, max_total_tokens=128, enable_hierarchical_cache=True)
+    counts = count_feeds(engine)
+    assert run(engine, prompts, params) == want
+    assert counts["fed"] > counts["launches"] // 2, counts
+    stats = engine.stats()
+    assert engine.scheduler.num_preemptions > 0 and stats["host_kv_loaded_blocks"] > 0
+    assert_no_leak(engine)
+
+
 def test_penalties_fall_back_to_resolving_first(model_path):
     params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)
     want = run(make_engine(model_path, False), PROMPTS, params)
