@@ -219,6 +219,8 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
             reset_prefix_cache(engine)
         pool = getattr(engine.scheduler, "pool", None)
         hits_before = (getattr(pool, "prefix_hit_tokens", 0), getattr(pool, "prefix_query_tokens", 0))
+        host_tier = getattr(engine.scheduler, "host_tier", None)  # --enable-hierarchical-cache
+        host_before = (host_tier.stored_blocks, host_tier.loaded_blocks) if host_tier is not None else (0, 0)
         if kind == "latency":
             vocab = engine.vocab_size
             batches = [random_prompts(batch, opts.input_len, vocab, opts.seed + i) for i in range(opts.num_iters)]
@@ -236,6 +238,11 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
             hit = getattr(pool, "prefix_hit_tokens", 0) - hits_before[0]
             measured["prefix_cache_hit_rate"] = hit / query if query else 0.0
             measured["num_preemptions"] = getattr(engine.scheduler, "num_preemptions", None)
+            if host_tier is not None:  # blocks the run offloaded to the host tier and loaded back
+                measured["host_kv"] = {
+                    "stored_blocks": host_tier.stored_blocks - host_before[0],
+                    "loaded_blocks": host_tier.loaded_blocks - host_before[1],
+                }
     finally:
         clock.close()
     startup_report = runner_startup_report(engine.runner)  # NOTE: after the run: a runner may add lazy JIT times

@@ -152,6 +152,22 @@ def test_bench_offline_passes_the_kv_cache_dtype_through(tiny_dir, tmp_path, cap
     assert data["flotilla"]["roofline"]["kv_bytes_per_step_mean"] == pytest.approx(60 * TINY_KV_BYTES_PER_TOKEN // 4)
 
 
+def test_bench_offline_reports_the_host_tier_blocks_of_the_run(tiny_dir, tmp_path, capsys):
+    """With ``--enable-hierarchical-cache`` and a pool the batch outgrows (4 blocks of 16 tokens
+    for five 10 + 20-token requests), the JSON counts the blocks the timed run offloaded to the
+    host tier and loaded back; the runner's start-up reports the tier's size."""
+    out = tmp_path / "offline-host.json"
+    argv = ["bench", "offline", "--model", str(tiny_dir), "--load-format", "dummy", "--num-prompts", "5",
+            "--input-len", "10", "--output-len", "20", "--warmup-steps", "0", "--bandwidth-bytes", COPY_BYTES,
+            "--max-total-tokens", "64", "--enable-hierarchical-cache", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    res = data["flotilla"]
+    assert res["num_preemptions"] > 0 and res["output_tokens"] == 100
+    assert res["host_kv"]["stored_blocks"] > 0 and res["host_kv"]["loaded_blocks"] > 0, res["host_kv"]
+    assert data["startup"]["runner"]["host_kv_blocks"] == 8  # hicache_ratio 2.0 x 4 blocks
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
