@@ -7,11 +7,11 @@ Without the tier a preempted request is recomputed from its prompt and outputs o
 admitted again (the GPU prefix cache rarely still holds its blocks: they were freed because
 the pool ran short, and the next allocations take them). With it, re-admission finds the
 blocks here after the GPU prefix cache's match and loads them back into fresh GPU blocks
-instead of recomputing them; only the last partial block is recomputed. Any request whose
+instead of recomputing them; only what follows the last full block is computed. Any request whose
 prompt starts with a stored prefix loads it the same way. SGLang's HiCache also writes a
 block to the host as the GPU cache computes or evicts it (``--hicache-write-policy``) and
 adds a storage tier; flotilla writes on preemption only and has no storage tier (see
-docs/serving.md).
+docs/configuration.md, "Host tier of the prefix cache").
 
 Slots are taken from a free list, then by evicting the least recently used key. A key that
 is stored again (the same request preempted twice) only moves to the back of the LRU
