@@ -16,6 +16,7 @@ start-up cost.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
@@ -336,7 +337,12 @@ class ModelRunner:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS
         # NOTE: blocks the caching allocator still holds from loading (temporaries of dummy
-        # init, weight fusion) would otherwise count as in use and come off the KV budget.
+        # init, weight fusion) would otherwise count as in use and come off the KV budget, and
+        # so would an earlier runner of this process that only the cycle collector can free
+        # (a runner and its CUDA graphs reference each other): collect it first. Full
+        # collections are rare while step loops run (gc_pauses.frozen_heap), so such a runner
+        # can outlive its LLM by minutes.
+        gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = self.config.mem_fraction_static or 0.88
