@@ -131,18 +131,25 @@ def test_without_the_tier_the_same_request_recomputes_what_the_gpu_cache_lost():
 
 
 def test_a_later_request_with_the_same_prefix_loads_it_from_the_host():
+    """b is preempted (its 3 blocks offloaded) and then aborted, so only the tier remembers its
+    prompt; c, a later request starting with b's first 8 prompt tokens, finds block 0 still in
+    the GPU cache and block 1 (evicted there by a's growth) in the host tier."""
     scheduler, runner = make_tiered(8, num_blocks=6, block_size=4)
     a = Request("a", [1] * 9, max_tokens=10)
     b = Request("b", [2] * 9, max_tokens=8)
     scheduler.add(a)
     scheduler.add(b)
     step_until_preempted(scheduler, runner)
-    c = Request("c", [2] * 8 + [5, 6], max_tokens=2)  # b's first two blocks, then its own
+    assert scheduler.abort("b")
+    while a.status is RequestStatus.RUNNING:
+        step(scheduler, runner)
+    c = Request("c", [2] * 8 + [5, 6], max_tokens=2)
     scheduler.add(c)
-    run_to_completion(scheduler, runner)
-    assert scheduler.host_tier.loaded_blocks >= 2
-    assert c.output_token_ids == reference_outputs(c.prompt_token_ids, 2)
+    admitted = step(scheduler, runner)
+    assert shares(admitted) == {"c": (8, 2)} and [slot for slot, _ in admitted.kv_load] == [1]
     assert c.num_cached_prompt_tokens == 8  # reported as cached prompt tokens (OpenAI usage)
+    run_to_completion(scheduler, runner)
+    assert c.output_token_ids == reference_outputs(c.prompt_token_ids, 2)
 
 
 @pytest.mark.parametrize("host_blocks", [2, 16])
