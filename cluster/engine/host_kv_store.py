@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from flotilla.cluster.engine.input_staging import device_index
+
 # Blocks a copy stages on the device at once (Llama-3.1-8B: 2 MB a block, 64 MB a chunk).
 CHUNK_BLOCKS = 32
 
@@ -40,8 +42,7 @@ class HostKVStore:
         self.widths = [region.shape[1] for region in self.regions]
         self.block_bytes = sum(self.widths)
         self.device = torch.device(device)
-        self._pinned = self.device.type == "cuda"
-        self.host = torch.empty(num_slots, self.block_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+        self.host = torch.empty(num_slots, self.block_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     @property
     def num_slots(self) -> int:
@@ -50,7 +51,7 @@ class HostKVStore:
     def offload(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Queue copies of GPU blocks to host slots: ``pairs`` of ``(block_id, slot)``."""
         for chunk in _chunks(pairs):
-            blocks = self._index([block for block, _ in chunk])
+            blocks = device_index([block for block, _ in chunk], self.device)
             staging = torch.cat([region.index_select(0, blocks) for region in self.regions], dim=1)
             for start, stop, slot in _runs([slot for _, slot in chunk]):
                 self.host[slot : slot + stop - start].copy_(staging[start:stop], non_blocking=True)
@@ -61,16 +62,12 @@ class HostKVStore:
             staging = torch.empty(len(chunk), self.block_bytes, dtype=torch.uint8, device=self.device)
             for start, stop, slot in _runs([slot for slot, _ in chunk]):
                 staging[start:stop].copy_(self.host[slot : slot + stop - start], non_blocking=True)
-            blocks = self._index([block for _, block in chunk])
+            blocks = device_index([block for _, block in chunk], self.device)
             offset = 0
             for region, width in zip(self.regions, self.widths):
                 region.index_copy_(0, blocks, staging[:, offset : offset + width])
                 offset += width
 
-    def _index(self, ids: list[int]) -> torch.Tensor:
-        # NOTE: staged through pinned memory: a blocking copy from pageable memory would wait
-        # for the step still running on the stream.
-        return torch.tensor(ids, dtype=torch.long, pin_memory=self._pinned).to(self.device, non_blocking=True)
 
 
 def _chunks(pairs: Sequence[tuple[int, int]]) -> list[Sequence[tuple[int, int]]]:

@@ -117,6 +117,8 @@ def host_kv_blocks(config: Any, block_bytes: int, device_blocks: int) -> int:
     if size_gb > 0:
         blocks, asked = int(size_gb * GB // block_bytes), f"hicache_size={size_gb} GB"
     else:
+        # NOTE: resolution sets 2.0 unless the flag is given, except on a PD decode server,
+        # where it leaves the ratio unset: the same default then.
         ratio = getattr(config, "hicache_ratio", None) or 2.0
         blocks, asked = int(ratio * device_blocks), f"hicache_ratio={ratio} x {device_blocks} GPU blocks"
     if blocks < 1:

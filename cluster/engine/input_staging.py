@@ -10,6 +10,14 @@ import torch
 from flotilla.kernels.attention import AttentionMetadata
 
 
+def device_index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 tensor on ``device``, queued without a host sync: on CUDA the list is
+    staged through pinned memory (a copy from pageable memory would wait for the work already
+    queued on the stream, e.g. the step in flight)."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.tensor(ids, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=True)
+
+
 class InputStaging:
     """Turns a step's Python lists into its device tensors with one host-to-device copy.
 

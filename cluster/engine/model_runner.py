@@ -27,7 +27,7 @@ from flotilla.cluster.engine.cuda_graphs import DecodeGraphs, decode_graph_sizes
 from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.cluster.engine.host_kv_store import HostKVStore
 from flotilla.cluster.engine.host_kv_tier import host_kv_blocks
-from flotilla.cluster.engine.input_staging import InputStaging
+from flotilla.cluster.engine.input_staging import InputStaging, device_index
 from flotilla.cluster.engine.kernel_backends import has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
 from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv_attachable
@@ -575,9 +575,6 @@ def _feed_pending_tokens(input_ids: torch.Tensor, step: SchedulerOutput, feed: T
     if dst == src == list(range(n)):
         input_ids[:n].copy_(feed.token_ids[:n])
         return
-    device = input_ids.device
-    pinned = device.type == "cuda"
-    dst_t = torch.tensor(dst, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=True)
-    src_t = torch.tensor(src, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=True)
+    dst_t, src_t = device_index(dst, input_ids.device), device_index(src, input_ids.device)
     input_ids.index_copy_(0, dst_t, feed.token_ids.index_select(0, src_t))
 
