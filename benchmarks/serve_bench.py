@@ -12,6 +12,10 @@ the same prompts and concurrency, no HTTP and no Serve. Rounds alternate HTTP an
 so drift on a noisy machine hits both; the report gives each round and the ratio of the
 medians: output tokens/s (HTTP / in-process) and the TTFT overhead (HTTP - in-process).
 The prefix cache is off so repeated rounds do not get faster.
+
+``--one-engine-at-a-time`` is for one GPU, where the Serve replica's engine and the
+in-process one cannot both hold the model and a KV pool: every HTTP round runs first, Serve
+is shut down (its replica process exits and frees the device), then the in-process rounds run.
 """
 
 from __future__ import annotations
@@ -33,13 +37,39 @@ def random_token_prompts(num: int, length: int, vocab: int, seed: int) -> list[l
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def _flag_value(text: str):
+    """``"true"``/``"false"`` as booleans, integers as ints, anything else as given."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def server_flags(pairs: list[str]) -> dict:
-    """Server fields from ``key=value`` arguments (integers as ints); the prefix cache off
+    """Server fields from ``key=value`` arguments (integers as ints, true/false as
+    booleans); the prefix cache off
     unless given, so repeated rounds do not get faster."""
     flags = dict(pair.split("=", 1) for pair in pairs)
-    flags = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in flags.items()}
+    flags = {k: _flag_value(v) for k, v in flags.items()}
     flags.setdefault("disable_radix_cache", True)
     return flags
+
+
+def wait_for_device_memory(timeout_s: float = 120.0, free_share: float = 0.9) -> None:
+    """After ``serve.shutdown()``: wait until the replica's process has given the GPU back
+    (``free_share`` of it free), so the in-process engine sizes its KV pool as the replica
+    did. Nothing to wait for without CUDA; RuntimeError after ``timeout_s``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free, total = torch.cuda.mem_get_info()
+        if free >= free_share * total:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the GPU still has {(total - free) / 2**30:.1f} GiB in use {timeout_s:.0f} s after Serve shut down")
+        time.sleep(1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--one-engine-at-a-time",
+        action="store_true",
+        help="all HTTP rounds, then Serve down, then the in-process rounds (one GPU holds one engine)",
+    )
     parser.add_argument("flags", nargs="*", help="server fields as key=value (e.g. max_total_tokens=8192)")
     opts = parser.parse_args(argv)
     flags = server_flags(opts.flags)
@@ -78,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     warm = prompts[:4]
 
     url = deploy(config, options)
-    engine = AsyncEngine.from_config(config, source, None, options.max_queued_requests)
 
     def run_http():
         return asyncio.run(http_load(url, options.served_model_name, prompts, opts.output_len, opts.concurrency))
@@ -87,22 +121,37 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(engine_load(engine, prompts, opts.output_len, opts.concurrency))
 
     asyncio.run(http_load(url, options.served_model_name, warm, 4, 4))  # warm-up both paths
-    asyncio.run(engine_load(engine, warm, 4, 4))
     rounds = []
-    for _ in range(opts.rounds):
-        http = run_http().summary()
-        local = run_local().summary()
-        rounds.append({"http": http, "in_process": local})
-        print(json.dumps(rounds[-1]), flush=True)
-    engine.shutdown()
-    serve.shutdown()
+    if opts.one_engine_at_a_time:
+        http_rounds = [run_http().summary() for _ in range(opts.rounds)]
+        serve.shutdown()
+        wait_for_device_memory()
+        engine = AsyncEngine.from_config(config, source, None, options.max_queued_requests)
+        asyncio.run(engine_load(engine, warm, 4, 4))
+        for http in http_rounds:
+            rounds.append({"http": http, "in_process": run_local().summary()})
+            print(json.dumps(rounds[-1]), flush=True)
+        engine.shutdown()
+    else:
+        engine = AsyncEngine.from_config(config, source, None, options.max_queued_requests)
+        asyncio.run(engine_load(engine, warm, 4, 4))
+        for _ in range(opts.rounds):
+            http = run_http().summary()
+            local = run_local().summary()
+            rounds.append({"http": http, "in_process": local})
+            print(json.dumps(rounds[-1]), flush=True)
+        engine.shutdown()
+        serve.shutdown()
 
     http_tps = statistics.median(r["http"]["output_tok_s"] for r in rounds)
     local_tps = statistics.median(r["in_process"]["output_tok_s"] for r in rounds)
     http_ttft = statistics.median(r["http"]["ttft_median_s"] for r in rounds)
     local_ttft = statistics.median(r["in_process"]["ttft_median_s"] for r in rounds)
     results = {
-        "workload": {k: getattr(opts, k) for k in ("num_requests", "concurrency", "input_len", "output_len", "seed")},
+        "workload": {
+            k: getattr(opts, k)
+            for k in ("num_requests", "concurrency", "input_len", "output_len", "seed", "one_engine_at_a_time")
+        },
         "server_flags": flags,
         "model": options.served_model_name,
         "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
