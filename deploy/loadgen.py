@@ -133,7 +133,8 @@ async def http_load(
 
 
 async def _read_sse(response: Any, result: RequestResult, start: float) -> None:
-    """Fill ``result`` from an OpenAI SSE stream (first token time, usage, an error frame)."""
+    """Fill ``result`` from an OpenAI SSE stream (first token time: the first frame with text
+    or token ids; usage; an error frame)."""
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue
@@ -144,7 +145,9 @@ async def _read_sse(response: Any, result: RequestResult, start: float) -> None:
         if "error" in frame:
             result.error = str(frame["error"].get("message", frame["error"]))
             continue
-        if result.ttft_s is None and any(c.get("text") for c in frame.get("choices", [])):
+        # NOTE: a server without a tokenizer streams token ids and empty text.
+        choices = frame.get("choices", [])
+        if result.ttft_s is None and any(c.get("text") or c.get("token_ids") for c in choices):
             result.ttft_s = time.perf_counter() - start
         usage = frame.get("usage")
         if usage:

@@ -337,7 +337,7 @@ class _Ingress:
             add_generation_prompt=req.add_generation_prompt is not False,
             template_kwargs={**self.template_kwargs, **(req.chat_template_kwargs or {})},
         )
-        job = self._job(request, "chat", f"chatcmpl-{request.state.request_id}", params, [prompt], req.include_usage)
+        job = self._job(request, req, "chat", f"chatcmpl-{request.state.request_id}", params, [prompt])
         return await self._run(request, job, params, bool(req.stream), "messages")
 
     async def completions(self, request: Request) -> Response:
@@ -345,12 +345,16 @@ class _Ingress:
         self._check_model(req.model)
         params = req.to_sampling_params()
         prompts = normalize_prompts(req.prompt, self.tokenizer)
-        job = self._job(request, "completion", f"cmpl-{request.state.request_id}", params, prompts, req.include_usage)
+        job = self._job(request, req, "completion", f"cmpl-{request.state.request_id}", params, prompts)
         return await self._run(request, job, params, bool(req.stream), "prompt")
 
-    def _job(self, request: Request, kind: str, response_id: str, params, prompts, include_usage: bool):
+    def _job(self, request: Request, req, kind: str, response_id: str, params, prompts) -> GenerationJob:
+        # NOTE: without a tokenizer the text is empty, so the ids are all a client can see.
+        ids = self.tokenizer is None if req.return_token_ids is None else req.return_token_ids
         n, logprobs, model = params.n, params.logprobs, self.served_model
-        job = GenerationJob(kind, response_id, model, n, prompts, logprobs, include_usage, self._decode)
+        job = GenerationJob(
+            kind, response_id, model, n, prompts, logprobs, req.include_usage, self._decode, return_token_ids=ids
+        )
         request.state.job = job  # NOTE: the access log reads its usage when the response is done
         return job
 

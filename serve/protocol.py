@@ -7,7 +7,8 @@ fields they do not know (OpenAI clients send extras). Every problem becomes an
 it as ``{"error": {"message", "type", "param", "code"}}``. Besides OpenAI's fields, the
 sampling knobs vLLM and SGLang accept in the body are honoured: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``skip_special_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output``.
+``include_stop_str_in_output``, and vLLM's ``return_token_ids`` (each choice carries its
+generated token ids and the ids of its prompt; by default only when the server has no tokenizer).
 """
 
 from __future__ import annotations
@@ -182,6 +183,10 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool | None = True
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
+    # vLLM's spelling: each choice carries its generated ``token_ids`` (streamed: each frame's
+    # new ids) and the response its ``prompt_token_ids`` (a completion choice: its prompt's).
+    # None: true when the server has no tokenizer (skip_tokenizer_init: the text is empty).
+    return_token_ids: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -343,6 +348,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -353,6 +359,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -370,6 +377,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this frame's new ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -379,6 +387,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: on the role frames
 
 
 class CompletionLogprobs(BaseModel):
@@ -389,11 +398,16 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One choice; with ``return_token_ids`` it carries its generated ``token_ids`` (streamed:
+    each frame's new ids) and its prompt's ``prompt_token_ids`` (streamed: on its first frame)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -225,6 +225,9 @@ class GenerationJob:
         top_logprobs: candidates per token in the answer (None: no logprobs).
         include_usage: streaming ends with a usage chunk.
         decode: a token's text, for logprobs.
+        return_token_ids: choices carry their generated token ids, and the response (chat) or
+            each completion choice its prompt's ids (the request's ``return_token_ids``,
+            resolved by the ingress).
         usage: per prompt index, (prompt, completion, cached) tokens from its last chunk.
     """
 
@@ -236,6 +239,7 @@ class GenerationJob:
     top_logprobs: int | None
     include_usage: bool
     decode: Decode
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
@@ -251,6 +255,20 @@ class GenerationJob:
 
     def total_usage(self) -> Usage:
         return Usage.of(*self.totals())
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        """The prompt token ids choice ``index`` reports (None unless asked for)."""
+        return self.prompts[index // self.n].token_ids if self.return_token_ids else None
+
+    def new_ids(self, c: CompletionChunk) -> list[int] | None:
+        """The token ids a chunk's choice reports (None unless asked for)."""
+        return list(c.token_ids) if self.return_token_ids else None
+
+    def worth_a_frame(self, c: CompletionChunk, lp: Any) -> bool:
+        """A streamed chunk gets a frame when it has text, token ids a client asked for,
+        logprobs or a finish reason."""
+        ids = self.return_token_ids and bool(c.token_ids)
+        return bool(c.text) or ids or lp is not None or c.finish_reason is not None
 
     def chat_logprobs(self, token_ids: list[int], steps: list[StepLogprobs] | None) -> ChatLogprobs | None:
         if self.top_logprobs is None or not steps:
@@ -291,9 +309,11 @@ async def respond(job: GenerationJob, streams: EngineStreams) -> ChatCompletionR
         job.record_usage(i, chunk)
     head = dict(id=job.response_id, created=job.created, model=job.model, usage=job.total_usage())
     ordered = [(index, choices[index]) for index in sorted(choices)]
+    ids = job.return_token_ids
     if job.kind == "chat":
         return ChatCompletionResponse(
             **head,
+            prompt_token_ids=job.prompt_ids(0),
             choices=[
                 ChatChoice(
                     index=index,
@@ -301,6 +321,7 @@ async def respond(job: GenerationJob, streams: EngineStreams) -> ChatCompletionR
                     logprobs=job.chat_logprobs(c.token_ids, c.steps) if job.top_logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if ids else None,
                 )
                 for index, c in ordered
             ],
@@ -316,6 +337,8 @@ async def respond(job: GenerationJob, streams: EngineStreams) -> ChatCompletionR
                 else completion_logprobs(c.token_ids, c.steps, job.top_logprobs, job.decode, 0),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if ids else None,
+                prompt_token_ids=job.prompt_ids(index),
             )
             for index, c in ordered
         ],
@@ -323,28 +346,31 @@ async def respond(job: GenerationJob, streams: EngineStreams) -> ChatCompletionR
 
 
 async def chat_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterator[str]:
-    """SSE frames of a chat stream: a role delta per choice, content deltas, the usage chunk
-    (``include_usage``), ``[DONE]``; an error frame before ``[DONE]`` when the engine fails."""
+    """SSE frames of a chat stream: a role delta per choice (with ``prompt_token_ids`` when
+    asked for), content deltas, the usage chunk (``include_usage``), ``[DONE]``; an error
+    frame before ``[DONE]`` when the engine fails."""
 
-    def frame(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+    def frame(choices: list[ChatStreamChoice], usage: Usage | None = None, prompt_ids=None) -> str:
         head = dict(id=job.response_id, created=job.created, model=job.model)
-        return sse(ChatCompletionChunk(**head, choices=choices, usage=usage))
+        return sse(ChatCompletionChunk(**head, choices=choices, usage=usage, prompt_token_ids=prompt_ids))
 
     try:
         for j in range(job.n):
-            yield frame([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+            role = ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+            yield frame([role], prompt_ids=job.prompt_ids(0))
         while (item := await streams.next()) is not None:
             i, chunk = item
             check_chunk(chunk)
             for c in chunk.completions:
                 lp = job.chat_logprobs(c.token_ids, c.logprobs)
-                if c.text or lp is not None or c.finish_reason is not None:
+                if job.worth_a_frame(c, lp):
                     choice = ChatStreamChoice(
                         index=i * job.n + c.index,
                         delta=DeltaMessage(content=c.text or None),
                         logprobs=lp,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        token_ids=job.new_ids(c),
                     )
                     yield frame([choice])
             job.record_usage(i, chunk)
@@ -358,8 +384,10 @@ async def chat_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterat
 
 
 async def completion_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterator[str]:
-    """SSE frames of a completions stream: text deltas, the usage chunk, ``[DONE]``."""
+    """SSE frames of a completions stream: text deltas (a choice's first frame with its
+    ``prompt_token_ids`` when asked for), the usage chunk, ``[DONE]``."""
     offsets: dict[int, int] = {}
+    started: set[int] = set()  # choices that have sent a frame
 
     def frame(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         head = dict(id=job.response_id, created=job.created, model=job.model)
@@ -376,10 +404,17 @@ async def completion_frames(job: GenerationJob, streams: EngineStreams) -> Async
                     start = offsets.get(index, 0)
                     lp = completion_logprobs(c.token_ids, c.logprobs, job.top_logprobs, job.decode, start)
                     offsets[index] = start + sum(len(t) for t in lp.tokens)
-                if c.text or lp is not None or c.finish_reason is not None:
+                if job.worth_a_frame(c, lp):
                     choice = CompletionChoice(
-                        index=index, text=c.text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                        index=index,
+                        text=c.text,
+                        logprobs=lp,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=job.new_ids(c),
+                        prompt_token_ids=None if index in started else job.prompt_ids(index),
                     )
+                    started.add(index)
                     yield frame([choice])
             job.record_usage(i, chunk)
         if job.include_usage:
