@@ -87,6 +87,29 @@ class GenerateChunk:
     queue_time_s: float | None = None
     error: str | None = None
 
+    def absorb(self, later: GenerateChunk) -> None:
+        """Fold ``later`` (the same request's next chunk) into this one, as if the engine
+        had sent them as one: each completion's tokens, text and logprobs appended, the
+        finish, usage and error of the later chunk kept (``queue_time_s`` is the first's)."""
+        mine = {c.index: c for c in self.completions}
+        for c in later.completions:
+            own = mine.get(c.index)
+            if own is None:
+                own = mine[c.index] = CompletionChunk(c.index, [], "")
+                self.completions.append(own)
+            own.token_ids = own.token_ids + c.token_ids
+            own.text += c.text
+            if c.logprobs is not None:
+                own.logprobs = (own.logprobs or []) + list(c.logprobs)
+            if c.finish_reason is not None:
+                own.finish_reason, own.stop_reason = c.finish_reason, c.stop_reason
+        self.completions.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+        self.cached_tokens, self.error = later.cached_tokens, later.error
+        if self.queue_time_s is None:
+            self.queue_time_s = later.queue_time_s
+
 
 @dataclass(frozen=True)
 class ReplicaLoad:

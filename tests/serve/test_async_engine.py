@@ -21,7 +21,16 @@ from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from flotilla.serve.async_engine import AsyncEngine
 from flotilla.serve.engine_replica import EngineReplica
-from flotilla.serve.types import EngineOverloadedError, EngineUnavailableError, GenerateRequest, ServeOptions
+from flotilla.cluster.engine.outputs import Logprob
+from flotilla.serve.async_engine_commands import _Stream
+from flotilla.serve.types import (
+    CompletionChunk,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    GenerateChunk,
+    GenerateRequest,
+    ServeOptions,
+)
 from helpers.prompts import random_prompts
 from helpers.tiny_models import save_tiny_llama
 from helpers.torch_threads import one_intra_op_thread
@@ -240,8 +249,68 @@ def test_stream_interval_batches_tokens_but_sends_the_first_at_once(model_dir):
     with async_engine(model_dir, stream_interval=4) as engine:
         chunks = asyncio.run(collect(engine, request(prompt)))
     sizes = [len(c.completions[0].token_ids) for c in chunks]
-    assert sizes == [1, 4, 4, 3]  # 12 tokens: the first alone, then batches of 4, then the rest
+    # 12 tokens: the first alone, then batches of 4, then the rest ([1, 4, 4, 3] when the
+    # reader keeps up; batches that queued behind a late reader arrive as one, e.g. [1, 8, 3])
+    assert sizes[0] == 1 and sum(sizes) == 12 and all(size % 4 == 0 for size in sizes[1:-1]), sizes
     assert tokens_by_index(chunks)[0] == alone(make_engine(model_dir), prompt, GREEDY).outputs[0].token_ids
+
+
+def test_chunks_queued_behind_a_busy_reader_go_out_as_one(model_dir):
+    """What the engine thread queued while the reader was away is one chunk: tokens, text
+    and logprobs appended per completion, the last chunk's finish and usage; an error
+    queued after chunks comes after them."""
+    logprob = {7: Logprob(-0.5, rank=1)}
+    steps = lambda: [  # noqa: E731 - fresh chunks for each read (a merge extends the first)
+        GenerateChunk("r", [CompletionChunk(0, [7], "a", [logprob])], queue_time_s=0.25),
+        GenerateChunk("r", [CompletionChunk(1, [9], "x"), CompletionChunk(0, [8], "b", [logprob])]),
+        GenerateChunk(
+            "r", [CompletionChunk(1, [10], "y", finish_reason="stop", stop_reason=10)],
+            finished=True, prompt_tokens=5, completion_tokens=4, cached_tokens=2,
+        ),
+        GenerateChunk("r", [CompletionChunk(0, [99], "late")]),  # never read: the request finished
+    ]  # fmt: skip
+
+    async def read(items):
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        for item in items:
+            stream.queue.put_nowait(item)
+        out = []
+        try:
+            async for chunk in engine._chunks("r~0", stream):
+                out.append(chunk)
+        except RuntimeError as exc:
+            out.append(exc)
+        return out
+
+    with async_engine(model_dir) as engine:
+        (merged,) = asyncio.run(read(steps()))
+        failed = asyncio.run(read([*steps()[:2], RuntimeError("step failed")]))
+    zero, one = merged.completions
+    assert (zero.index, zero.token_ids, zero.text, zero.logprobs, zero.finish_reason) == (0, [7, 8], "ab", [logprob] * 2, None)
+    assert (one.index, one.token_ids, one.text, one.finish_reason, one.stop_reason) == (1, [9, 10], "xy", "stop", 10)
+    assert merged.finished and (merged.prompt_tokens, merged.completion_tokens, merged.cached_tokens) == (5, 4, 2)
+    assert merged.queue_time_s == 0.25
+    assert len(failed) == 2 and str(failed[1]) == "step failed"
+    assert tokens_by_index(failed[:1]) == {0: [7, 8], 1: [9]} and not failed[0].finished
+
+
+def test_a_slow_reader_gets_every_token_in_fewer_chunks(model_dir):
+    """A reader slower than the engine's steps loses nothing: the engine-alone tokens and
+    the usage, in at most as many chunks as tokens."""
+    prompt = random_prompts([9], VOCAB, seed=3)[0]
+    with async_engine(model_dir) as engine:
+
+        async def main():
+            chunks = []
+            async for chunk in engine.generate(request(prompt)):
+                chunks.append(chunk)
+                await asyncio.sleep(0.01)  # NOTE: slows the reader; what is asserted holds at any speed
+            return chunks
+
+        chunks = asyncio.run(main())
+    assert tokens_by_index(chunks)[0] == alone(make_engine(model_dir), prompt, GREEDY).outputs[0].token_ids
+    assert chunks[-1].finished and chunks[-1].completion_tokens == 12 and len(chunks) <= 12
+    assert not any(c.finished for c in chunks[:-1])
 
 
 def test_cached_prompt_tokens_are_reported_and_counted(model_dir):
