@@ -2,7 +2,8 @@
 and through the in-process engine.
 
     python benchmarks/serve_bench.py [--num-requests 96] [--concurrency 32] [--input-len 64]
-                                     [--output-len 32] [--rounds 2] [--json OUT] [server flags as key=value]
+                                     [--output-len 32] [--rounds 2] [--json OUT] [--stream-batch-ms MS]
+                                     [--one-engine-at-a-time] [server flags as key=value]
 
 Workload: ``--num-requests`` random token-id prompts (seeded) through ``/v1/completions``
 (streaming, greedy, ``ignore_eos``: exactly ``--output-len`` tokens each), ``--concurrency``
@@ -82,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
+        "--stream-batch-ms",
+        type=float,
+        default=None,
+        help="the Serve replica's stream batching interval (default: flotilla serve's, 50 ms); the in-process "
+        "engine is never batched",
+    )
+    parser.add_argument(
         "--one-engine-at-a-time",
         action="store_true",
         help="all HTTP rounds, then Serve down, then the in-process rounds (one GPU holds one engine)",
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config, model = resolve_for_serving({**flags, "port": port})
-    options = serve_options(config, model=model)
+    options = serve_options(config, model=model, stream_batch_ms=opts.stream_batch_ms)
     source = resolve_model_source(model)
     prompts = random_token_prompts(opts.num_requests, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed)
     warm = prompts[:4]
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             k: getattr(opts, k)
             for k in ("num_requests", "concurrency", "input_len", "output_len", "seed", "one_engine_at_a_time")
         },
+        "stream_batch_ms": options.stream_batch_ms,
         "server_flags": flags,
         "model": options.served_model_name,
         "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},

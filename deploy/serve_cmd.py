@@ -2,7 +2,7 @@
 
     flotilla serve [--config FILE] [--model M] [server flags, SGLang spelling]...
                    [--router least-loaded|prefix-affinity] [--num-replicas N]
-                   [--replica-num-cpus C] [--address ADDR] [--non-blocking]
+                   [--replica-num-cpus C] [--stream-batch-ms MS] [--address ADDR] [--non-blocking]
                    [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
                     [--prefill-tp A] [--decode-tp B] [--kv-transport nixl|ray]
                     [--kv-load-failure-policy recompute|fail]]
@@ -65,7 +65,7 @@ from flotilla.resolution import ArgumentError, ResolutionError
 from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
 from flotilla.resolution.fields import FIELDS
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
-from flotilla.serve.types import ElasticAutoscaleOptions
+from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions
 
 # How long to wait for /health to answer 200 after the application reports running.
 READY_TIMEOUT_S = 120.0
@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     own.add_argument(
         "--replica-num-cpus", type=float, default=None, help="CPUs each engine replica reserves (default 0.5)"
+    )
+    own.add_argument(
+        "--stream-batch-ms",
+        type=float,
+        default=None,
+        help="a streamed request's chunks go out at most this often, its tokens gathered in between "
+        "(default 50, as Ray Serve LLM; 0: a chunk every --stream-interval tokens)",
     )
     own.add_argument(
         "--address",
@@ -219,6 +226,8 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
         raise ArgumentError(f"--num-replicas must be at least 1, got {opts.num_replicas}")
     if opts.replica_num_cpus is not None and opts.replica_num_cpus < 0:
         raise ArgumentError(f"--replica-num-cpus must not be negative, got {opts.replica_num_cpus}")
+    if opts.stream_batch_ms is not None and not 0 <= opts.stream_batch_ms <= MAX_STREAM_BATCH_MS:
+        raise ArgumentError(f"--stream-batch-ms must be in [0, {MAX_STREAM_BATCH_MS:g}] ms, got {opts.stream_batch_ms}")
     for name in PD_ONLY_FLAGS:
         value = getattr(opts, name)
         if value is not None and not pd:
@@ -257,6 +266,7 @@ def resolve_serving(opts: argparse.Namespace, given: dict[str, Any], platform: A
         router=opts.router,
         num_replicas=opts.num_replicas,
         replica_num_cpus=opts.replica_num_cpus,
+        stream_batch_ms=opts.stream_batch_ms,
         disaggregation_mode="pd" if opts.pd else "null",
         prefill_replicas=opts.prefill_replicas,
         decode_replicas=opts.decode_replicas,

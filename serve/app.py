@@ -80,7 +80,7 @@ HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 5.0
 DEFAULT_SERVED_MODEL_NAME = "smollm2"
 # build() arguments that are serving options, not server fields.
-OPTION_ARGS = ("router", "num_replicas", "replica_num_cpus", "max_body_bytes", "placement")
+OPTION_ARGS = ("router", "num_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement")
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
 PD_OPTION_ARGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "kv_transport", "kv_load_failure_policy")
 
@@ -379,6 +379,7 @@ def serve_options(
     num_replicas: int | None = None,
     replica_num_cpus: float | None = None,
     max_body_bytes: int | None = None,
+    stream_batch_ms: float | None = None,
     disaggregation_mode: str = "null",
     prefill_replicas: int | None = None,
     decode_replicas: int | None = None,
@@ -411,6 +412,7 @@ def serve_options(
         router=router,
         max_queued_requests=int(config.max_queued_requests or defaults.max_queued_requests),
         max_body_bytes=int(max_body_bytes or defaults.max_body_bytes),
+        stream_batch_ms=float(defaults.stream_batch_ms if stream_batch_ms is None else stream_batch_ms),
         api_key=config.api_key or None,
         replica_num_cpus=float(replica_num_cpus if replica_num_cpus is not None else defaults.replica_num_cpus),
         disaggregation_mode=disaggregation_mode,
@@ -571,7 +573,7 @@ def build(args: dict[str, Any]) -> Application:
     ``tp_size``, ``max_running_requests``, ``api_key``, ``max_queued_requests``,
     ``served_model_name``, ...; values as strings or typed YAML) plus ``router``
     (``least-loaded``|``prefix-affinity``), ``num_replicas``, ``replica_num_cpus``,
-    ``max_body_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
+    ``stream_batch_ms``, ``max_body_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
     ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``kv_transport``,
     ``kv_load_failure_policy``; elastic EP (``elastic_ep_backend: ray``, ``max_ep_size``):
     ``elastic_ep_autoscale: true`` and its knobs (:data:`AUTOSCALE_ARGS`, as the
@@ -610,6 +612,7 @@ def build(args: dict[str, Any]) -> Application:
         router=str(option_args.get("router", "least-loaded")),
         num_replicas=opt("num_replicas", int),
         replica_num_cpus=opt("replica_num_cpus", float),
+        stream_batch_ms=opt("stream_batch_ms", float),
         max_body_bytes=opt("max_body_bytes", int),
         disaggregation_mode="pd" if pd else "null",
         prefill_replicas=opt("prefill_replicas", int),

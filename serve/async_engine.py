@@ -84,6 +84,7 @@ class _Live:
     queue_time_s: float | None = None
     first_token_at: float | None = None
     sent_first: bool = False
+    last_sent_at: float = 0.0  # time.monotonic() of the last chunk handed to the stream
     last_token_at: dict[int, float] = field(default_factory=dict)
     pending: dict[int, CompletionChunk] = field(default_factory=dict)
     pending_tokens: int = 0
@@ -102,6 +103,11 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         replica_id: the ``replica`` label of the metrics.
         retry_after_s: the ``Retry-After`` hint of :class:`EngineOverloadedError`.
         pool: the ``pool`` label of the metrics (``colocated``, ``prefill``, ``decode``).
+        stream_batch_s: a request's next chunk waits until this long after its last one
+            (its tokens gather meanwhile); the first chunk and the last go out at once.
+            0: a chunk as soon as ``stream_interval`` tokens are pending. The engine replica
+            sets it from ``ServeOptions.stream_batch_ms``: every chunk crosses Ray streaming
+            hops and becomes an SSE frame, which cost more than the engine's step on a GPU.
 
     The PD commands (:meth:`prefill`, :meth:`generate_prefilled`, mixed in from
     :class:`~flotilla.serve.async_engine_pd.PDCommands`) need a runner with a KV
@@ -118,6 +124,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         replica_id: str = "0",
         retry_after_s: int = 1,
         pool: str = "colocated",
+        stream_batch_s: float = 0.0,
     ):
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise ValueError(
@@ -128,6 +135,9 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         self.max_queued_requests = max_queued_requests
         self.retry_after_s = retry_after_s
         self.stream_interval = max(1, int(getattr(engine.config, "stream_interval", 1) or 1))
+        if not stream_batch_s >= 0:
+            raise ValueError(f"stream_batch_s must be >= 0 seconds, got stream_batch_s={stream_batch_s!r}")
+        self.stream_batch_s = float(stream_batch_s)
         self.metrics = EngineMetrics(replica_id, pool)
         self._ids = itertools.count()
         self._cond = threading.Condition()
@@ -164,13 +174,14 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         runner: Any = None,
         pool: str = "colocated",
         placement: dict[str, dict[str, float]] | None = None,
+        stream_batch_s: float = 0.0,
     ) -> "AsyncEngine":
         """Build the :class:`LLMEngine` (``config``: the ResolvedConfig, ``source``: the
         ModelSource, ``tokenizer``: an HF tokenizer or None, ``runner``: a prebuilt model
         runner or None, ``placement``: the Ray resources of its ranks, see
-        ``LLMEngine``) and drive it."""
+        ``LLMEngine``) and drive it (``stream_batch_s``: see the class)."""
         engine = LLMEngine(config, source, tokenizer, runner=runner, placement=placement)
-        return cls(engine, max_queued_requests, replica_id=replica_id, pool=pool)
+        return cls(engine, max_queued_requests, replica_id=replica_id, pool=pool, stream_batch_s=stream_batch_s)
 
     # -- the asyncio side ------------------------------------------------------------
 
@@ -451,6 +462,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                     out.append((engine_id, live.add.stream, self._handoff.finish_prefill(live.add, chunk)))
             elif chunk is not None:
                 out.append((engine_id, live.add.stream, chunk))
+        if self.stream_batch_s > 0:
+            out.extend(self._overdue_chunks(grouped, now))
         self._record_prefix_cache()
         self._publish_load(0)
         self._deliver(out)
@@ -506,21 +519,36 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
             self._unscheduled.discard(engine_id)
             if any(c.finish_reason in ("stop", "length") for c in output.outputs):
                 metrics.e2e_request_latency.observe(max(0.0, wall - live.add.arrival_wall))
-            chunk = self._take_chunk(live)
+            chunk = self._take_chunk(live, now)
             chunk.finished = True
             chunk.prompt_tokens = len(output.prompt_token_ids)
             chunk.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
             chunk.cached_tokens = output.num_cached_tokens
             chunk.error = output.error
             return chunk
-        due = live.pending_tokens >= self.stream_interval or any(c.finish_reason for c in live.pending.values())
-        if live.pending and (due or not live.sent_first):
-            return self._take_chunk(live)
+        if live.pending and (not live.sent_first or self._due(live, now)):
+            return self._take_chunk(live, now)
         return None
 
-    def _take_chunk(self, live: _Live) -> GenerateChunk:
+    def _due(self, live: _Live, now: float) -> bool:
+        """Whether a request's pending tokens (after its first chunk) go out now."""
+        if any(c.finish_reason for c in live.pending.values()):
+            return True
+        return live.pending_tokens >= self.stream_interval and now - live.last_sent_at >= self.stream_batch_s
+
+    def _overdue_chunks(self, handled: dict[str, Any], now: float) -> list[tuple[str, _Stream, GenerateChunk]]:
+        """Chunks of requests that gained no token this step but hold pending tokens past
+        their ``stream_batch_s`` (a preempted or waiting request must not sit on them)."""
+        out = []
+        for engine_id, live in self._live.items():
+            if engine_id in handled or not live.pending or isinstance(live.add, _Prefill) or not self._due(live, now):
+                continue
+            out.append((engine_id, live.add.stream, self._take_chunk(live, now)))
+        return out
+
+    def _take_chunk(self, live: _Live, now: float) -> GenerateChunk:
         chunk = GenerateChunk(live.add.request.request_id, [live.pending[i] for i in sorted(live.pending)])
-        live.pending, live.pending_tokens = {}, 0
+        live.pending, live.pending_tokens, live.last_sent_at = {}, 0, now
         if not live.sent_first:
             chunk.queue_time_s = live.queue_time_s
             live.sent_first = True
@@ -573,7 +601,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                     chunk = live.pending.setdefault(child, CompletionChunk(child, [], ""))
                     chunk.finish_reason = "error"
                     self.metrics.record_finished("error")
-            chunk = self._take_chunk(live)
+            chunk = self._take_chunk(live, time.monotonic())
             chunk.finished, chunk.error = True, reason
             chunk.prompt_tokens = len(live.add.request.prompt_token_ids)
             chunk.completion_tokens = live.num_tokens

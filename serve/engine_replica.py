@@ -109,6 +109,7 @@ class EngineReplica:
             self.engine = AsyncEngine.from_config(
                 config, self.source, tokenizer, options.max_queued_requests,
                 replica_id=self.replica_id, runner=runner, pool=pool, placement=placement,
+                stream_batch_s=options.stream_batch_ms / 1000.0,
             )
         except BaseException:
             if runner is not None:

@@ -306,6 +306,11 @@ class ServeOptions:
         num_replicas: engine replicas (default: the resolved ``dp_size`` without DP attention).
         router: ``"least-loaded"`` (default) or ``"prefix-affinity"``.
         max_queued_requests: per-replica queue bound beyond which requests get 429.
+        stream_batch_ms: a streamed request's chunks go out at most this often (its tokens
+            gather in between; the first and the last go out at once): each chunk crosses Ray
+            streaming hops and becomes an SSE frame, which on a GPU cost more than the step
+            that made it. 50 ms, as Ray Serve LLM batches its streams; 0: a chunk every
+            ``--stream-interval`` tokens.
         max_body_bytes: the largest request body accepted (413 beyond).
         api_key: Bearer key required on every endpoint but ``/health`` (None: open).
         replica_num_cpus: CPUs each engine replica actor reserves.
@@ -336,6 +341,7 @@ class ServeOptions:
     num_replicas: int = 1
     router: str = "least-loaded"
     max_queued_requests: int = 256
+    stream_batch_ms: float = 50.0
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
     replica_num_cpus: float = 0.5
@@ -352,11 +358,17 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
+        if not 0 <= self.stream_batch_ms <= MAX_STREAM_BATCH_MS:
+            raise ValueError(f"stream_batch_ms must be in [0, {MAX_STREAM_BATCH_MS:g}] ms (got stream_batch_ms={self.stream_batch_ms!r})")
 
     def resources_for(self, group: str) -> dict[str, float]:
         """The extra Ray resources of ranks (and replica actors) of ``group`` (see ``placement``)."""
         return dict(self.placement.get(group, {}))
 
+
+# The longest ServeOptions.stream_batch_ms: a longer gap between a stream's chunks would read
+# as a stalled stream.
+MAX_STREAM_BATCH_MS = 1000.0
 
 # Groups of ranks ServeOptions.placement may pin to nodes.
 PLACEMENT_GROUPS = ("engine", "prefill", "decode", "joiners")

@@ -7,6 +7,7 @@ import pytest
 from flotilla.deploy.serve_cmd import parse_serve_args, resolve_serving, run_serve, split_pd_mode
 from flotilla.resolution import ArgumentError
 from flotilla.serve.pd import check_pd_options, pd_server_fields
+from flotilla.serve.types import ServeOptions
 
 
 def test_pd_mode_is_taken_out_of_the_server_flags():
@@ -39,6 +40,18 @@ def test_bad_pd_flags_are_refused(argv, words):
     with pytest.raises(ArgumentError) as err:
         parse_serve_args(argv)
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_stream_batch_ms_reaches_the_options_and_bad_values_are_refused(tmp_path):
+    opts, given = parse_serve_args(["--stream-batch-ms", "20", "--max-total-tokens", "2048"])
+    assert resolve_serving(opts, given)[2].stream_batch_ms == 20.0
+    opts, given = parse_serve_args(["--max-total-tokens", "2048"])
+    assert resolve_serving(opts, given)[2].stream_batch_ms == 50.0  # NOTE: Ray Serve LLM's default
+    for value in ("-1", "1001", "nan"):
+        with pytest.raises(ArgumentError, match=f"--stream-batch-ms must be in \\[0, 1000\\] ms, got {value}"):
+            parse_serve_args(["--stream-batch-ms", value])
+    with pytest.raises(ValueError, match=r"stream_batch_ms must be in \[0, 1000\] ms \(got stream_batch_ms=-5.0\)"):
+        ServeOptions(stream_batch_ms=-5.0)
 
 
 def test_run_serve_exits_2_on_a_bad_pd_flag(capsys):

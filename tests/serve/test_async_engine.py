@@ -65,8 +65,8 @@ def make_engine(path, tokenizer=None, **flags) -> LLMEngine:
 
 
 @contextlib.contextmanager
-def async_engine(path, max_queued_requests=64, tokenizer=None, **flags):
-    engine = AsyncEngine(make_engine(path, tokenizer, **flags), max_queued_requests, replica_id="r0")
+def async_engine(path, max_queued_requests=64, tokenizer=None, stream_batch_s=0.0, **flags):
+    engine = AsyncEngine(make_engine(path, tokenizer, **flags), max_queued_requests, replica_id="r0", stream_batch_s=stream_batch_s)
     try:
         yield engine
     finally:
@@ -311,6 +311,58 @@ def test_a_slow_reader_gets_every_token_in_fewer_chunks(model_dir):
     assert tokens_by_index(chunks)[0] == alone(make_engine(model_dir), prompt, GREEDY).outputs[0].token_ids
     assert chunks[-1].finished and chunks[-1].completion_tokens == 12 and len(chunks) <= 12
     assert not any(c.finished for c in chunks[:-1])
+
+
+def test_stream_batch_spaces_a_streams_chunks_but_not_its_first_or_last(model_dir):
+    """With ``stream_batch_s`` a request's chunks after the first are at least that far
+    apart (their tokens gather in between), and the tokens are the engine-alone ones."""
+    batch_s, params = 0.05, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = random_prompts([6], VOCAB, seed=4)[0]
+    with async_engine(model_dir, stream_batch_s=batch_s) as engine:
+
+        async def main():
+            chunks, times = [], []
+            async for chunk in engine.generate(request(prompt, params)):
+                chunks.append(chunk)
+                times.append(time.monotonic())
+            return chunks, times[-1] - times[0]
+
+        chunks, elapsed = asyncio.run(main())
+    assert tokens_by_index(chunks)[0] == alone(make_engine(model_dir), prompt, params).outputs[0].token_ids
+    assert len(chunks[0].completions[0].token_ids) == 1 and chunks[-1].finished
+    # NOTE: sends after the first are >= batch_s apart, the last goes at once: at most one
+    # chunk per batch_s of the stream's time besides those two (40 without the batching).
+    assert len(chunks) <= 2 + elapsed / batch_s, (len(chunks), elapsed)
+
+
+def test_a_stalled_request_does_not_sit_on_its_pending_tokens(model_dir):
+    """A request that gained no token in a step (preempted, waiting) but holds tokens past
+    its ``stream_batch_s`` gets them sent by that step's sweep; a prefill never is."""
+    from flotilla.serve.async_engine import _Live
+    from flotilla.serve.async_engine_commands import _Add, _Prefill
+
+    with async_engine(model_dir, stream_batch_s=0.05) as engine:
+        loop = asyncio.new_event_loop()
+        try:
+            stream = _Stream(loop, asyncio.Queue())
+
+            def live(kind, last_sent_at):
+                state = _Live(kind(kind.__name__, request([1, 2, 3]), stream, 0.0, 0.0), [kind.__name__])
+                state.sent_first, state.last_sent_at = True, last_sent_at
+                state.pending, state.pending_tokens = {0: CompletionChunk(0, [7, 8], "")}, 2
+                return state
+
+            now = 100.0
+            # NOTE: the engine thread is idle (no request queued), so this thread may use its state.
+            engine._live.update(late=live(_Add, now - 0.06), recent=live(_Add, now - 0.01), prefill=live(_Prefill, 0.0))
+            engine._live["stepped"] = live(_Add, 0.0)
+            sent = engine._overdue_chunks({"stepped": []}, now)
+            assert [(engine_id, chunk.completions[0].token_ids) for engine_id, _, chunk in sent] == [("late", [7, 8])]
+            assert not engine._live["late"].pending and engine._live["late"].last_sent_at == now
+            assert engine._live["recent"].pending and engine._live["prefill"].pending
+        finally:
+            engine._live.clear()
+            loop.close()
 
 
 def test_cached_prompt_tokens_are_reported_and_counted(model_dir):
