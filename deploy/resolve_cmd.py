@@ -3,9 +3,15 @@
     flotilla resolve --model PATH [--platform NAME | --platform-file FILE]
                      [--platform-set KEY=VALUE]... [server flags]...
                      [--format json|table] [--explain]
+    flotilla resolve --runtime-support [--format table|json]
 
 Exit status 2, with one line per problem on stderr, for a rejected combination,
 an unknown flag, a bad choice or an unreadable config.json.
+
+``--runtime-support`` alone prints what the runtime does with every server field
+(:mod:`flotilla.resolution.runtime_support`): ``honored``, ``refused`` or ``noop``. With
+``--model``, the table format marks the flags given that ``flotilla serve`` would refuse
+(``!``) or that have no effect (``~``); resolution itself still runs (it is the seeds' rules).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from flotilla.resolution import (
     ArgumentError,
@@ -33,6 +39,7 @@ from flotilla.resolution.args import (
 )
 from flotilla.resolution.fields import FIELDS
 from flotilla.resolution.platform import apply_flips, load_platform_file
+from flotilla.resolution.runtime_support import noop_settings, refusals, support_json, support_table
 
 # Fields the table format always shows, grouped by topic.
 SUMMARY = {
@@ -63,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     own.add_argument("--format", choices=("json", "table"), default="table", help="output format")
     own.add_argument("--explain", action="store_true", help="show, per changed field, the chain of rules")
+    own.add_argument(
+        "--runtime-support",
+        action="store_true",
+        help="print what flotilla's runtime does with each server field (honored, refused or noop) and exit",
+    )
     add_server_flags(parser, FIELDS.values())
     return parser
 
@@ -86,6 +98,12 @@ def run_resolve(argv: Sequence[str]) -> int:
         namespace, unknown = parser.parse_known_args(list(argv))
         own_flags = [o for a in parser._actions for o in a.option_strings]
         reject_unknown(unknown, server_flag_names() + own_flags)
+        if namespace.runtime_support and getattr(namespace, "model_path", None) is None:
+            if namespace.format == "json":
+                print(json.dumps(support_json(), sort_keys=True, default=repr))
+            else:
+                print(support_table(), end="")
+            return 0
         if getattr(namespace, "model_path", None) is None:
             raise ArgumentError("--model PATH is required (a directory holding config.json, or the file)")
         platform = _platform(namespace)
@@ -109,13 +127,18 @@ def run_resolve(argv: Sequence[str]) -> int:
     if namespace.format == "json":
         print(json.dumps(resolved.to_dict(), sort_keys=True, default=repr))
     else:
-        print(format_table(resolved, platform.name))
+        given = {name: server_args.values[name] for name in server_args.explicit}
+        print(format_table(resolved, platform.name, given, model))
     if namespace.explain:
         print(format_explain(resolved))
     return 0
 
 
-def format_table(resolved: ResolvedConfig, platform_name: str) -> str:
+def format_table(
+    resolved: ResolvedConfig, platform_name: str, given: Mapping[str, Any] | None = None, model: Any = None
+) -> str:
+    """The ``--format table`` text; ``given`` (the flags set, by field) adds what the runtime
+    would refuse or ignore of them."""
     changed = {c.field for c in resolved.provenance}
     lines = [f"platform: {platform_name}    config hash: {resolved.digest[:16]}"]
     for title, names in SUMMARY.items():
@@ -133,6 +156,14 @@ def format_table(resolved: ResolvedConfig, platform_name: str) -> str:
         for key, value in sorted(resolved.env.items()):
             lines.append(f"   {key}={value}")
     lines.append("\n(* = set by a resolution rule; run with --explain for the rules)")
+    refused_lines = [r.line for r in refusals(given or {}, model)]
+    ignored = noop_settings(given or {})
+    if refused_lines or ignored:
+        lines.append("\n[runtime support of the flags given: flotilla resolve --runtime-support]")
+        lines += [f" ! {line}" for line in refused_lines]
+        lines += [f" ~ {flag} has no effect in flotilla's runtime" for flag in ignored]
+        if refused_lines:
+            lines.append("(! = flotilla serve and LLM(...) refuse this flag; ~ = accepted, no effect)")
     return "\n".join(lines)
 
 

@@ -54,16 +54,19 @@ import math
 import os
 import shlex
 import signal
+import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any, Sequence
 
+from flotilla.cluster.models.sources import check_user_settings
 from flotilla.deploy.config_file import config_argv, load_serve_config, split_config_flag
 from flotilla.resolution import ArgumentError, ResolutionError
 from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
 from flotilla.resolution.fields import FIELDS
+from flotilla.resolution.runtime_support import UnsupportedSettingsError, noop_notice
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions
 
@@ -290,9 +293,18 @@ def run_serve(argv: Sequence[str]) -> int:
                 "--non-blocking leaves the endpoint on a running cluster, and none is named: "
                 "pass --address (or set RAY_ADDRESS), or drop --non-blocking"
             )
-    except ArgumentError as exc:
+        # NOTE: before Ray starts and any weight loads: flags the runtime would not act on stop here.
+        check_user_settings(given)
+    except UnsupportedSettingsError as exc:
+        for refusal in exc.refusals:
+            print(f"flotilla serve: error: {refusal.line}", file=sys.stderr)
+        return 2
+    except (ArgumentError, ValueError) as exc:
         _print_error(exc)
         return 2
+    notice = noop_notice(given)
+    if notice is not None:
+        print(f"flotilla serve: {notice}", file=sys.stderr)
     for note in opts.config_file.notes if opts.config_file is not None else ():
         print(f"flotilla serve: note: {note}", file=sys.stderr)
     if not joining:
@@ -315,6 +327,16 @@ def run_serve(argv: Sequence[str]) -> int:
         return 2
     started_local = False if joining else _start_local(config, options, decode_config)
     serve_was_running = _serve_running()
+    if serve_was_running and serves_tls(config):
+        # NOTE: Serve keeps the HTTP options it started with; the proxy could speak plain HTTP.
+        print(
+            "flotilla serve: error: --ssl-certfile/--ssl-keyfile need Serve's proxy to start with them, and Serve "
+            "is already running on this cluster; run `serve shutdown` first (or serve without TLS)",
+            file=sys.stderr,
+        )
+        if started_local:
+            _shutdown(started_local, False)
+        return 2
     if serve_was_running:
         print(
             "flotilla serve: note: Serve is already running on this cluster; its HTTP options stay as they are",
@@ -384,19 +406,38 @@ def _serve_running() -> bool:
         return False
 
 
+def serves_tls(config) -> bool:
+    """Whether the endpoint speaks HTTPS (``--ssl-certfile`` and ``--ssl-keyfile``)."""
+    return bool(config.ssl_certfile and config.ssl_keyfile)
+
+
+def http_options(config) -> dict[str, Any]:
+    """Serve's ``http_options`` for the endpoint: ``--host``/``--port`` and, with
+    ``--ssl-certfile``/``--ssl-keyfile`` (plus ``--ssl-keyfile-password``, ``--ssl-ca-certs``),
+    TLS, so the port answers HTTPS only."""
+    options: dict[str, Any] = {"host": config.host, "port": int(config.port)}
+    if serves_tls(config):
+        for name in ("ssl_certfile", "ssl_keyfile", "ssl_keyfile_password", "ssl_ca_certs"):
+            if getattr(config, name):
+                options[name] = str(getattr(config, name))
+    return options
+
+
 def deploy(config, options, decode_config=None) -> str:
-    """Start Serve's proxy on ``config.host``:``config.port``, deploy the application
-    (PD mode: ``config`` is the prefill pool's, ``decode_config`` the decode pool's) and
-    wait until ``/health`` answers; returns the base URL (``http://host:port``)."""
+    """Start Serve's proxy on ``config.host``:``config.port`` (HTTPS with the ``--ssl-*``
+    flags), deploy the application (PD mode: ``config`` is the prefill pool's,
+    ``decode_config`` the decode pool's) and wait until ``/health`` answers; returns the
+    base URL (``http://host:port`` or ``https://host:port``)."""
     from ray import serve
 
     from flotilla.serve.app import APP_NAME, build_app, build_pd_app
 
     app = build_app(config, options) if decode_config is None else build_pd_app(config, decode_config, options)
     # NOTE: HeadOnly: one proxy, on the node this URL names (the head, where jobs run).
-    serve.start(http_options={"host": config.host, "port": int(config.port)}, proxy_location="HeadOnly")
+    serve.start(http_options=http_options(config), proxy_location="HeadOnly")
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    url = f"http://{_client_host(config.host)}:{int(config.port)}"
+    scheme = "https" if serves_tls(config) else "http"
+    url = f"{scheme}://{_client_host(config.host)}:{int(config.port)}"
     wait_until_healthy(url, READY_TIMEOUT_S)
     return url
 
@@ -412,9 +453,11 @@ def wait_until_healthy(url: str, timeout_s: float) -> None:
     """Poll ``url``/health until it answers 200; TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
+    # NOTE: our own endpoint: a self-signed certificate is fine for this probe.
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            with urllib.request.urlopen(f"{url}/health", timeout=5, context=context) as response:
                 if response.status == 200:
                     return
                 last = f"status {response.status}"
@@ -433,7 +476,10 @@ def ready_message(url: str, options, config, blocking: bool = True) -> str:
         "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
         "max_tokens": 32,
     }
-    curl = f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'"
+    curl = "curl"
+    if url.startswith("https:"):
+        curl += f" --cacert {shlex.quote(str(config.ssl_certfile))}"  # NOTE: a self-signed cert is its own CA
+    curl += f" {url}/v1/chat/completions -H 'Content-Type: application/json'"
     if options.api_key:
         curl += ' -H "Authorization: Bearer $FLOTILLA_API_KEY"'
     curl += f" -d {shlex.quote(json.dumps(body))}"

@@ -37,6 +37,7 @@ from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
+from flotilla.cluster.models.sources import check_user_settings
 from flotilla.resolution import ArgumentError, ResolvedConfig, ServerArgs
 from flotilla.resolution.fields import FIELDS
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
@@ -459,7 +460,7 @@ def resolve_for_serving(given: Mapping[str, Any], platform: Any = None) -> tuple
 
     given = dict(given)
     model = given.pop("model_path", None)
-    source = resolve_model_source(model)
+    source = resolve_model_source(model, given.get("revision"))
     args = ServerArgs.create(model_path=str(source.path), **given)
     facts = platform if platform is not None else probe_for_workers()
     return resolve(args, ModelFacts.from_hf_config(source.config_dict), facts), model
@@ -586,6 +587,7 @@ def build(args: dict[str, Any]) -> Application:
     not these arguments.
     """
     given, option_args = parse_build_args(args)
+    check_user_settings(given)  # NOTE: before Ray: a flag the runtime would not act on stops here
     pd = option_args.get("disaggregation_mode") == "pd"
     stray = [name for name in PD_OPTION_ARGS if name in option_args and not pd]
     if stray:

@@ -84,10 +84,10 @@ from flotilla.serve.types import EngineClient, EngineUnavailableError, GenerateR
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("flotilla.serve.access")
 
-_ROUTES = (
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-    "/scale_elastic_ep", "/is_scaling_elastic_ep",
-)  # fmt: skip
+# Routes that change or inspect the deployment itself: with --admin-api-key they need that key
+# (the user --api-key does not open them); without it they need --api-key like every route.
+ADMIN_ROUTES = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", *ADMIN_ROUTES)
 # Logged at DEBUG: probes, scrapes and scale polls are frequent.
 _QUIET_ROUTES = ("/health", "/metrics", "/is_scaling_elastic_ep")
 
@@ -215,6 +215,7 @@ class _Ingress:
         self.engine, self.tokenizer, self.options, self.config = engine, tokenizer, options, config
         self.served_model = options.served_model_name
         self.api_key = options.api_key or getattr(config, "api_key", None)
+        self.admin_api_key = getattr(config, "admin_api_key", None) or None
         self.chat_template = load_chat_template(getattr(config, "chat_template", None))
         self.template_kwargs = dict(getattr(config, "default_chat_template_kwargs", None) or {})
         self.block_size = prefix_block_size(config)
@@ -446,20 +447,24 @@ class _Observer:
 
         path = scope.get("path", "")
         try:
-            if path != "/health" and not self._authorized(headers):
-                message = "missing or incorrect API key; send it as 'Authorization: Bearer <key>'"
+            key, which = self._required_key(path)
+            if key is not None and not _bearer_matches(headers, key):
+                message = f"missing or incorrect {which}; send it as 'Authorization: Bearer <key>'"
                 await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send_observed)
             else:
                 await self.app(scope, receive, send_observed)
         finally:
             self._observe(scope, path, status, time.perf_counter() - start, state)
 
-    def _authorized(self, headers: Headers) -> bool:
-        key = self.ingress.api_key
-        if not key:
-            return True
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+    def _required_key(self, path: str) -> tuple[str | None, str]:
+        """The key ``path`` needs (None: open) and how the 401 names it: ``/health`` is open;
+        :data:`ADMIN_ROUTES` need ``--admin-api-key`` when it is set, else ``--api-key``;
+        every other route needs ``--api-key`` when it is set."""
+        if path == "/health":
+            return None, ""
+        if path in ADMIN_ROUTES and self.ingress.admin_api_key:
+            return self.ingress.admin_api_key, "admin API key (--admin-api-key)"
+        return self.ingress.api_key or None, "API key"
 
     def _observe(self, scope, path: str, status: int, latency: float, state: dict) -> None:
         route = path if path in _ROUTES else "other"
@@ -478,3 +483,8 @@ class _Observer:
             record.update(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), job.totals()))
         level = logging.DEBUG if path in _QUIET_ROUTES and status < 400 else logging.INFO
         access_log.log(level, json.dumps(record))
+
+
+def _bearer_matches(headers: Headers, key: str) -> bool:
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())

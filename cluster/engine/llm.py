@@ -25,6 +25,7 @@ from flotilla.cluster.engine.sampling_params import SamplingParams, as_param_lis
 from flotilla.cluster.models.sources import ModelSource, resolve_model_source
 from flotilla.cluster.platform import probe_for_workers
 from flotilla.resolution import ModelFacts, PlatformFacts, ServerArgs, resolve
+from flotilla.resolution.runtime_support import check_runtime_support
 
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -47,9 +48,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, platform: PlatformFacts | None = None, **server_flags: Any):
         model = server_flags.pop("model_path", model)
-        self.source: ModelSource = resolve_model_source(model)
+        check_runtime_support(server_flags)  # NOTE: before reading the model: fail fast on a plain refusal
+        self.source: ModelSource = resolve_model_source(model, server_flags.get("revision"))
+        facts = ModelFacts.from_hf_config(self.source.config_dict)
+        # NOTE: before any weight loads: a flag the runtime would not act on is an error.
+        check_runtime_support(server_flags, facts)
         args = ServerArgs.create(model_path=str(self.source.path), **server_flags)
-        self.config = resolve(args, ModelFacts.from_hf_config(self.source.config_dict), platform or probe_for_workers())
+        self.config = resolve(args, facts, platform or probe_for_workers())
         self._tokenizer_error: str | None = None
         self.tokenizer = None
         if not self.config.skip_tokenizer_init:

@@ -17,6 +17,7 @@ factors; ignored, as transformers ignores it).
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import re
@@ -106,7 +107,14 @@ def _field(reader, key: str, default: Any = None) -> Any:
 
 
 def gguf_config(path: str | Path) -> dict[str, Any]:
-    """The HF ``config.json`` dict equivalent of a GGUF file's metadata."""
+    """The HF ``config.json`` dict equivalent of a GGUF file's metadata (a fresh dict; the
+    file is parsed once per process while its size and mtime stay the same)."""
+    stat = os.stat(path)
+    return copy.deepcopy(_gguf_config(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:

