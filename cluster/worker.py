@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
+from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.engine.dp_scheduler import part_for_rank
 from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner
 from flotilla.cluster.engine.overlap import TokenFeed
@@ -155,6 +156,7 @@ class Worker:
                 f"and broadcast the same frozen ResolvedConfig to every rank)"
             )
         self.config = config
+        apply_log_level(config)
         return digest
 
     def rendezvous_point(self) -> tuple[str, int]:

@@ -61,6 +61,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Sequence
 
+from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.models.sources import check_user_settings
 from flotilla.deploy.config_file import config_argv, load_serve_config, split_config_flag
 from flotilla.resolution import ArgumentError, ResolutionError
@@ -325,6 +326,7 @@ def run_serve(argv: Sequence[str]) -> int:
     except (ArgumentError, ResolutionError, ValueError) as exc:
         _print_error(exc)
         return 2
+    apply_log_level(config)
     started_local = False if joining else _start_local(config, options, decode_config)
     serve_was_running = _serve_running()
     if serve_was_running and serves_tls(config):

@@ -132,6 +132,16 @@ def _moe_dense_tp(value: Any, given: Mapping[str, Any], model: Any) -> str | Non
     )
 
 
+# Levels ``--log-level`` takes (any case), as Python's logging names them.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _log_level(value: Any, given: Mapping[str, Any], model: Any) -> str | None:
+    if str(value).lower() in LOG_LEVELS:
+        return None
+    return f"--log-level takes {_choices(LOG_LEVELS)}"
+
+
 def _log_requests_target(value: Any, given: Mapping[str, Any], model: Any) -> str | None:
     if value is None or all(str(v) == "stdout" for v in value):
         return None
@@ -852,7 +862,11 @@ _SERVING = _table(
 )
 
 _OBSERVABILITY = _table(
-    honored("the level of flotilla's loggers in the driver, the ingress, the engine replicas and the ranks", "log_level"),
+    honored(
+        "the level of flotilla's loggers in the driver, the ingress, the engine replicas and the ranks",
+        "log_level",
+        accepts=_log_level,
+    ),
     honored("each request's log line carries its inputs and outputs, at --log-requests-level detail", "log_requests"),
     honored("how much of a request the log line holds: 0 metadata, 1 + sampling parameters, 2 + 2048 chars of text, 3 all", "log_requests_level"),
     honored("request log lines as text (key=value) or JSON", "log_requests_format"),

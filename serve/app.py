@@ -37,11 +37,14 @@ from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
+from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.models.sources import check_user_settings
 from flotilla.resolution import ArgumentError, ResolvedConfig, ServerArgs
 from flotilla.resolution.fields import FIELDS
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.handles import call, stream_chunks
+from flotilla.serve.ingress import configure_access_log
+from flotilla.serve.request_log import configure_request_log
 from flotilla.serve.router import router_class_path
 from flotilla.serve.types import (
     ElasticAutoscaleOptions,
@@ -183,6 +186,11 @@ class OpenAIIngress:
             # NOTE: PD mode: ``engine`` is the prefill pool's handle.
             self._client = PDEngineClient(engine, decode_engine, options.kv_load_failure_policy)
         self._config, self._options = config, options
+        # NOTE: a Serve replica's logging is unconfigured: route flotilla's lines to its stdout/stderr.
+        apply_log_level(config)
+        configure_access_log()
+        if config.log_requests:
+            configure_request_log()
         self._tokenizer = None if config.skip_tokenizer_init else ingress_tokenizer(config, options)
 
     def __serve_build_asgi_app__(self):
@@ -195,10 +203,10 @@ class OpenAIIngress:
 def ingress_tokenizer(config: ResolvedConfig, options: ServeOptions) -> Any:
     """The tokenizer the ingress templates and tokenizes with (the engine replicas load
     the same one); None, with a warning, when the model has none (token-id prompts only)."""
-    from flotilla.cluster.models.sources import resolve_model_source
+    from flotilla.cluster.models.sources import served_model_source
     from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 
-    source = resolve_model_source(options.model if options.model is not None else config.model_path)
+    source = served_model_source(options.model, config)
     return load_tokenizer_or_none(source, config.tokenizer_path)[0]
 
 

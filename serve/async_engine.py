@@ -413,7 +413,11 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
             else:
                 hold_kv = isinstance(command, _Prefill)
                 self.engine.add_request(
-                    request.prompt_token_ids, request.params, request_id=command.engine_id, hold_kv=hold_kv
+                    request.prompt_token_ids,
+                    request.params,
+                    request_id=command.engine_id,
+                    hold_kv=hold_kv,
+                    priority=request.priority,
                 )
         except (ValueError, KVHandoffError, NotImplementedError) as exc:
             # NOTE: bad input, or a failed KV load under policy "fail": nothing was queued.

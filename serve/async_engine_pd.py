@@ -223,7 +223,9 @@ class KVHandoff:
                     f"request {request.request_id!r}: connecting to the prefill replica's KV endpoint "
                     f"{ticket.peer_id!r} failed ({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
                 ) from exc
-            self.engine.add_request(request.prompt_token_ids, request.params, request_id=command.engine_id)
+            self.engine.add_request(
+                request.prompt_token_ids, request.params, request_id=command.engine_id, priority=request.priority
+            )
             return
 
         def copy_blocks(src: list[int], dst: list[int]) -> None:
@@ -246,6 +248,7 @@ class KVHandoff:
             request.params,
             request_id=command.engine_id,
             policy=command.policy,
+            priority=request.priority,
         )
 
     def _connect_peer(self, peer_id: str, peer_metadata: list[bytes]) -> None:

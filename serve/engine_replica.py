@@ -41,7 +41,8 @@ import sys
 import uuid
 from typing import Any, AsyncIterator
 
-from flotilla.cluster.models.sources import ModelSource, resolve_model_source
+from flotilla.cluster.log_level import apply_log_level
+from flotilla.cluster.models.sources import ModelSource, served_model_source
 from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 from flotilla.resolution import ResolvedConfig
 from flotilla.serve.async_engine import AsyncEngine
@@ -95,8 +96,8 @@ class EngineReplica:
         serve_id = _serve_replica_id()
         self.replica_id = replica_id or serve_id or f"local-{os.getpid()}"
         self.config, self.options, self.pool = config, options, pool
-        model = options.model if options.model is not None else config.model_path
-        self.source: ModelSource = resolve_model_source(model)
+        apply_log_level(config)
+        self.source: ModelSource = served_model_source(options.model, config)
         tokenizer = None
         if not config.skip_tokenizer_init:
             tokenizer = load_tokenizer_or_none(self.source, config.tokenizer_path)[0]

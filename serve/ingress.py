@@ -70,6 +70,7 @@ from flotilla.serve.protocol import (
     model_not_found,
     parse_request,
 )
+from flotilla.serve.request_log import RequestLogSettings, format_record, request_log, request_record
 from flotilla.serve.responses import (
     EngineStreams,
     GenerationJob,
@@ -218,6 +219,7 @@ class _Ingress:
         self.admin_api_key = getattr(config, "admin_api_key", None) or None
         self.chat_template = load_chat_template(getattr(config, "chat_template", None))
         self.template_kwargs = dict(getattr(config, "default_chat_template_kwargs", None) or {})
+        self.request_log = RequestLogSettings.of(config)
         self.block_size = prefix_block_size(config)
         self.registry = CollectorRegistry(auto_describe=True)
         self.http_requests = Counter(
@@ -327,8 +329,14 @@ class _Ingress:
         if name is not None and name != self.served_model:
             raise model_not_found(name, self.served_model)
 
+    async def _body(self, request: Request) -> Any:
+        body = await read_json(request, self.options.max_body_bytes)
+        if self.request_log.enabled:
+            request.state.body = body  # NOTE: the request log quotes it when the response is done
+        return body
+
     async def chat(self, request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await read_json(request, self.options.max_body_bytes))
+        req = parse_request(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
         params = req.to_sampling_params()
         prompt = render_chat(
@@ -339,31 +347,34 @@ class _Ingress:
             template_kwargs={**self.template_kwargs, **(req.chat_template_kwargs or {})},
         )
         job = self._job(request, req, "chat", f"chatcmpl-{request.state.request_id}", params, [prompt])
-        return await self._run(request, job, params, bool(req.stream), "messages")
+        return await self._run(request, job, params, bool(req.stream), "messages", req.priority)
 
     async def completions(self, request: Request) -> Response:
-        req = parse_request(CompletionRequest, await read_json(request, self.options.max_body_bytes))
+        req = parse_request(CompletionRequest, await self._body(request))
         self._check_model(req.model)
         params = req.to_sampling_params()
         prompts = normalize_prompts(req.prompt, self.tokenizer)
         job = self._job(request, req, "completion", f"cmpl-{request.state.request_id}", params, prompts)
-        return await self._run(request, job, params, bool(req.stream), "prompt")
+        return await self._run(request, job, params, bool(req.stream), "prompt", req.priority)
 
     def _job(self, request: Request, req, kind: str, response_id: str, params, prompts) -> GenerationJob:
         # NOTE: without a tokenizer the text is empty, so the ids are all a client can see.
         ids = self.tokenizer is None if req.return_token_ids is None else req.return_token_ids
         n, logprobs, model = params.n, params.logprobs, self.served_model
         job = GenerationJob(
-            kind, response_id, model, n, prompts, logprobs, req.include_usage, self._decode, return_token_ids=ids
-        )
+            kind, response_id, model, n, prompts, logprobs, req.include_usage, self._decode, return_token_ids=ids,
+            keep_text=self.request_log.keeps_text,
+        )  # fmt: skip
         request.state.job = job  # NOTE: the access log reads its usage when the response is done
         return job
 
-    async def _run(self, request: Request, job: GenerationJob, params, stream: bool, prompt_param: str) -> Response:
+    async def _run(
+        self, request: Request, job: GenerationJob, params, stream: bool, prompt_param: str, priority: int | None = None
+    ) -> Response:
         rid, arrival = request.state.request_id, request.state.arrival_time
         many = len(job.prompts) > 1
         requests = [
-            GenerateRequest(f"{rid}-{i}" if many else rid, p.token_ids, params, arrival, self._prefix_key(p))
+            GenerateRequest(f"{rid}-{i}" if many else rid, p.token_ids, params, arrival, self._prefix_key(p), priority)
             for i, p in enumerate(job.prompts)
         ]
         iterators = []
@@ -483,6 +494,10 @@ class _Observer:
             record.update(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), job.totals()))
         level = logging.DEBUG if path in _QUIET_ROUTES and status < 400 else logging.INFO
         access_log.log(level, json.dumps(record))
+        settings = self.ingress.request_log
+        if settings.enabled and job is not None:
+            line = request_record(settings, record, state.get("body"), job.output_texts())
+            request_log.info(format_record(settings, line))
 
 
 def _bearer_matches(headers: Headers, key: str) -> bool:

@@ -7,8 +7,9 @@ fields they do not know (OpenAI clients send extras). Every problem becomes an
 it as ``{"error": {"message", "type", "param", "code"}}``. Besides OpenAI's fields, the
 sampling knobs vLLM and SGLang accept in the body are honoured: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``skip_special_tokens``, ``stop_token_ids``,
-``include_stop_str_in_output``, and vLLM's ``return_token_ids`` (each choice carries its
-generated token ids and the ids of its prompt; by default only when the server has no tokenizer).
+``include_stop_str_in_output``, vLLM's ``return_token_ids`` (each choice carries its
+generated token ids and the ids of its prompt; by default only when the server has no tokenizer)
+and ``priority`` (with ``--enable-priority-scheduling``; see ``LLMEngine.priority_of``).
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ class _SamplingRequest(_Strict):
     # new ids) and the response its ``prompt_token_ids`` (a completion choice: its prompt's).
     # None: true when the server has no tokenizer (skip_tokenizer_init: the text is empty).
     return_token_ids: bool | None = None
+    # vLLM's and SGLang's scheduling priority (--enable-priority-scheduling decides what it means).
+    priority: int | None = Field(None, gt=-(1 << 31), lt=1 << 31)
 
     @property
     def include_usage(self) -> bool:

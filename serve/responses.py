@@ -229,6 +229,8 @@ class GenerationJob:
             each completion choice its prompt's ids (the request's ``return_token_ids``,
             resolved by the ingress).
         usage: per prompt index, (prompt, completion, cached) tokens from its last chunk.
+        keep_text: gather each choice's text (for the request log, ``--log-requests``).
+        texts: with ``keep_text``, each choice's text pieces so far, by choice index.
     """
 
     kind: str
@@ -242,11 +244,21 @@ class GenerationJob:
     return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    keep_text: bool = False
+    texts: dict[int, list[str]] = field(default_factory=dict)
 
-    def record_usage(self, i: int, chunk: GenerateChunk) -> None:
+    def record(self, i: int, chunk: GenerateChunk) -> None:
+        """Take note of prompt ``i``'s chunk: its usage once finished, its text with ``keep_text``."""
+        if self.keep_text:
+            for c in chunk.completions:
+                self.texts.setdefault(i * self.n + c.index, []).append(c.text)
         if chunk.finished:
             prompt_tokens = chunk.prompt_tokens or len(self.prompts[i].token_ids)
             self.usage[i] = (prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+
+    def output_texts(self) -> list[str]:
+        """Each choice's text so far, in choice order (empty without ``keep_text``)."""
+        return ["".join(self.texts[index]) for index in sorted(self.texts)]
 
     def totals(self) -> tuple[int, int, int]:
         """(prompt, completion, cached) tokens over the prompts that finished."""
@@ -306,7 +318,7 @@ async def respond(job: GenerationJob, streams: EngineStreams) -> ChatCompletionR
         check_chunk(chunk)
         for c in chunk.completions:
             choices[i * job.n + c.index].add(c)
-        job.record_usage(i, chunk)
+        job.record(i, chunk)
     head = dict(id=job.response_id, created=job.created, model=job.model, usage=job.total_usage())
     ordered = [(index, choices[index]) for index in sorted(choices)]
     ids = job.return_token_ids
@@ -373,7 +385,7 @@ async def chat_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterat
                         token_ids=job.new_ids(c),
                     )
                     yield frame([choice])
-            job.record_usage(i, chunk)
+            job.record(i, chunk)
         if job.include_usage:
             yield frame([], job.total_usage())
     except Exception as exc:  # noqa: BLE001 - after the 200 went out, errors travel as a frame
@@ -416,7 +428,7 @@ async def completion_frames(job: GenerationJob, streams: EngineStreams) -> Async
                     )
                     started.add(index)
                     yield frame([choice])
-            job.record_usage(i, chunk)
+            job.record(i, chunk)
         if job.include_usage:
             yield frame([], job.total_usage())
     except Exception as exc:  # noqa: BLE001 - after the 200 went out, errors travel as a frame

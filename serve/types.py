@@ -30,6 +30,8 @@ class GenerateRequest:
         arrival_time: ``time.time()`` when the ingress received the HTTP request.
         prefix_key: a hash of the prompt's first block(s) for prefix-affinity routing
             (computed by the ingress; None when the prompt is shorter than a block).
+        priority: the request body's ``priority`` (None when it has none); the engine
+            applies ``--enable-priority-scheduling`` and its defaults.
     """
 
     request_id: str
@@ -37,6 +39,7 @@ class GenerateRequest:
     params: SamplingParams
     arrival_time: float
     prefix_key: int | None = None
+    priority: int | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from flotilla.cluster.engine.gc_pauses import frozen_heap
+from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.outputs import RequestOutput
 from flotilla.cluster.engine.sampling_params import SamplingParams, as_param_list
@@ -55,6 +56,7 @@ class LLM:
         check_runtime_support(server_flags, facts)
         args = ServerArgs.create(model_path=str(self.source.path), **server_flags)
         self.config = resolve(args, facts, platform or probe_for_workers())
+        apply_log_level(self.config)
         self._tokenizer_error: str | None = None
         self.tokenizer = None
         if not self.config.skip_tokenizer_init:
@@ -79,16 +81,21 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; returns one :class:`RequestOutput` per prompt, in order.
 
         ``prompts``: a string, a list of strings, a list of token-id lists, or
         ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` dicts (vLLM's forms).
+        ``priority``: one scheduling priority per prompt (vLLM's argument; needs
+        ``enable_priority_scheduling=True``, see ``LLMEngine.priority_of``).
         """
         items = _prompt_list(prompts)
         params = as_param_list(sampling_params, len(items))
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority: give one per prompt ({len(items)} prompts, {len(priority)} priorities)")
         encoded = [self._encode(p) for p in items]
-        return self._run(encoded, params)
+        return self._run(encoded, params, priority)
 
     def chat(
         self,
@@ -114,11 +121,17 @@ class LLM:
         encoded = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
         return self._run(encoded, as_param_list(sampling_params, len(encoded)))
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         added: list[str] = []
+        levels = list(priority) if priority is not None else [None] * len(encoded)
         try:
-            for (text, token_ids), p in zip(encoded, params):
-                added.append(self.engine.add_request(token_ids, p, prompt=text))
+            for (text, token_ids), p, level in zip(encoded, params, levels):
+                added.append(self.engine.add_request(token_ids, p, prompt=text, priority=level))
         except Exception:
             for request_id in added:  # all or nothing: a bad prompt queues none of the batch
                 self.engine.abort(request_id)

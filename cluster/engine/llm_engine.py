@@ -39,6 +39,7 @@ from flotilla.cluster.engine.overlap import PENDING_TOKEN, InflightStep, can_fee
 from flotilla.cluster.engine.request import Request, RequestStatus
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.engine.schedule_policy import PriorityPolicy
 from flotilla.cluster.engine.scheduler import SchedulerConfig
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.resolution import ModelFacts, ResolvedConfig
@@ -53,7 +54,8 @@ def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> Scheduler
     budget becomes ``--max-prefill-tokens``); ``--max-running-requests`` caps running requests
     (default 256; capped at the step budget so each can decode every step);
     ``--disable-radix-cache`` turns prefix caching off; ``--enable-hierarchical-cache`` gives it
-    the host tier the runner allocated (``kv.host_blocks``).
+    the host tier the runner allocated (``kv.host_blocks``); ``--schedule-policy``,
+    ``--prefill-max-requests`` and the priority flags order and cap admission.
     """
     chunk = config.chunked_prefill_size
     chunked = chunk is not None and chunk > 0
@@ -68,6 +70,23 @@ def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> Scheduler
         enable_prefix_caching=not config.disable_radix_cache,
         enable_chunked_prefill=chunked,
         num_host_blocks=kv.host_blocks,
+        policy=config.schedule_policy or "fcfs",
+        priority=priority_policy_for(config),
+        max_new_requests=int(config.prefill_max_requests) if config.prefill_max_requests else None,
+        seed=int(config.random_seed or 0),
+    )
+
+
+def priority_policy_for(config: ResolvedConfig) -> PriorityPolicy | None:
+    """The scheduler's priority policy (``--enable-priority-scheduling``,
+    ``--schedule-low-priority-values-first``, ``--disable-priority-preemption``,
+    ``--priority-scheduling-preemption-threshold``), or None when priorities are off."""
+    if not config.enable_priority_scheduling:
+        return None
+    return PriorityPolicy(
+        low_values_first=bool(config.schedule_low_priority_values_first),
+        preemption=not config.disable_priority_preemption,
+        preemption_threshold=int(config.priority_scheduling_preemption_threshold),
     )
 
 
@@ -172,13 +191,16 @@ class LLMEngine:
         prompt: str | None = None,
         stream: bool = False,
         hold_kv: bool = False,
+        priority: int | None = None,
     ) -> str:
         """Queue a request; returns its id. ValueError (naming the parameter) for bad input.
 
         ``stream=True`` keeps this request's deltas for :meth:`stream` while other
         requests are being streamed. ``hold_kv=True`` (prefill side of a KV handoff,
         ``n == 1`` only) keeps the request's KV blocks when it finishes, until
-        :meth:`release_kv`; see :mod:`flotilla.cluster.engine.kv_handoff`.
+        :meth:`release_kv`; see :mod:`flotilla.cluster.engine.kv_handoff`. ``priority``:
+        the request's priority under ``--enable-priority-scheduling`` (None:
+        ``--default-priority-value``, else 0); see :meth:`priority_of`.
         """
         if self.dead is not None:
             raise self.dead
@@ -192,6 +214,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use; request ids must be unique")
         max_tokens = self._validate(prompt_token_ids, params)
+        level = self.priority_of(priority)
         output = RequestOutput(request_id, prompt, prompt_token_ids, [])
         parent = _Parent(output, streaming=stream)
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
@@ -200,7 +223,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             if child_id in self._sequences:
                 raise ValueError(f"request_id {request_id!r} clashes with a live completion {child_id!r}; use another id")
-            requests.append(Request(child_id, prompt_token_ids, max_tokens, sampling_params=child))
+            requests.append(Request(child_id, prompt_token_ids, max_tokens, sampling_params=child, priority=level))
         limit = self.scheduler.max_tokens_per_request()
         if len(prompt_token_ids) + max_tokens > limit:
             raise ValueError(
@@ -225,6 +248,25 @@ class LLMEngine:
         if hold_kv:
             self._hold_kv.add(request_id)
         return request_id
+
+    def priority_of(self, priority: int | None) -> int:
+        """The scheduling priority of a request that asked for ``priority``: its own value
+        under ``--enable-priority-scheduling`` (``--default-priority-value``, else 0, when it
+        gives none); 0 when priorities are off, where a given priority is a ValueError with
+        ``--abort-on-priority-when-disabled`` (SGLang's behaviour) and ignored without it."""
+        config = self.config
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31):
+            raise ValueError(f"priority must be an integer in (-2**31, 2**31) (got priority={priority!r})")
+        if not config.enable_priority_scheduling:
+            if priority is not None and config.abort_on_priority_when_disabled:
+                raise ValueError(
+                    f"priority: this server does not schedule by priority (got priority={priority}); "
+                    "send the request without it, or start the server with --enable-priority-scheduling"
+                )
+            return 0
+        if priority is None:
+            return int(config.default_priority_value or 0)
+        return priority
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model; returns the effective max_tokens."""
@@ -501,9 +543,10 @@ class LLMEngine:
         prompt: str | None = None,
         stream: bool = False,
         policy: str = "recompute",
+        priority: int | None = None,
     ) -> str:
         """Queue a request whose prompt was computed by another engine (decode side of a KV
-        handoff); returns its id. See :func:`flotilla.cluster.engine.kv_handoff.decode_prefilled`.
+        handoff); returns its id (``priority`` as in :meth:`add_request`). See :func:`flotilla.cluster.engine.kv_handoff.decode_prefilled`.
 
         Allocates blocks for the prompt and calls ``copy_blocks(src, dst)`` to fill them from
         the prefill engine's ``src_block_ids`` (blocks already in the local prefix cache are
@@ -531,7 +574,7 @@ class LLMEngine:
                 f"src_block_ids: {len(src)} blocks cannot hold a {len(prompt_token_ids)}-token prompt "
                 f"(block size {self.scheduler.pool.block_size}); pass the prefill engine's blocks of this prompt"
             )
-        request_id = self.add_request(prompt_token_ids, params, request_id, prompt, stream)
+        request_id = self.add_request(prompt_token_ids, params, request_id, prompt, stream, priority=priority)
         admitted = self.scheduler.admit_prefilled(request_id, first_token)
         if admitted is None:
             return request_id
@@ -545,7 +588,7 @@ class LLMEngine:
                     f"request {request_id!r}: copying {len(dst) - num_cached} KV blocks failed "
                     f"({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
                 ) from exc
-            return self.add_request(prompt_token_ids, params, request_id, prompt, stream)
+            return self.add_request(prompt_token_ids, params, request_id, prompt, stream, priority=priority)
         self.scheduler.commit_prefilled(request_id)
         delta = self._update(self._sequences[request_id], SampledToken(int(first_token)))
         self._keep_for_stream(delta)

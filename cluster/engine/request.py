@@ -59,6 +59,8 @@ class Request:
             ``SamplingParams`` (or anything else) here.
         arrival_time: ``time.monotonic()`` at creation, for latency metrics.
         arrival_order: FCFS rank, assigned by ``Scheduler.add`` (-1 before).
+        priority: the request's priority (``--enable-priority-scheduling``; larger is more
+            urgent unless the scheduler's priority policy says otherwise); 0 by default.
         output_token_ids: tokens sampled so far.
         all_token_ids: prompt followed by outputs (kept as one list, appended in place).
         num_computed_tokens: leading tokens of ``all_token_ids`` whose K/V is in the cache.
@@ -80,6 +82,7 @@ class Request:
     sampling_params: Any = None
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = -1
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(default_factory=list, init=False)
     num_computed_tokens: int = field(default=0, init=False)

@@ -14,6 +14,14 @@ computed count drops to zero, and it goes back to the FRONT of the waiting queue
 with the tokens it has sampled so far, to be recomputed (prompt + outputs) when it
 is admitted again, less what the prefix cache still holds then.
 
+Waiting requests are admitted in the order of ``SchedulerConfig.policy``
+(``--schedule-policy``: fcfs, lpm, random, dfs-weight, lof; see
+:mod:`~flotilla.cluster.engine.schedule_policy`), at most ``max_new_requests`` a step
+(``--prefill-max-requests``). With a priority policy (``--enable-priority-scheduling``)
+running requests are ordered by (urgency, arrival), so the preemption victim is the least
+urgent latest arrival, and a waiting request that does not fit may preempt running
+requests less urgent than it by more than the policy's threshold.
+
 With a host tier (``num_host_blocks``, ``--enable-hierarchical-cache``) a preempted
 request's committed full blocks are copied to host memory first (``kv_offload``),
 and admission continues the prefix match there after the GPU cache's: the blocks
@@ -21,16 +29,19 @@ found are loaded into fresh GPU blocks (``kv_load``) instead of being recomputed
 (:mod:`~flotilla.cluster.engine.host_kv_tier`). A step never has both: nothing is
 admitted in a step that preempts.
 
-NOTE: fairness invariant. ``running`` and ``waiting`` are both in arrival order,
-and every running request arrived before every waiting one: admission never
-skips the head of the queue, and preemption moves the latest running request to
-the head. So an earlier request is never starved by later ones.
+NOTE: fairness invariant (fcfs without priorities). ``running`` and ``waiting`` are both
+in arrival order, and every running request arrived before every waiting one: admission
+never skips the head of the queue, and preemption moves the latest running request to
+the head. So an earlier request is never starved by later ones. Other policies trade this
+for cache hits or urgency, as their names say.
 
 Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import bisect
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -38,6 +49,7 @@ from typing import Mapping
 from flotilla.cluster.engine.block_manager import KVBlockPool
 from flotilla.cluster.engine.host_kv_tier import HostKVTier
 from flotilla.cluster.engine.request import Request, RequestStatus
+from flotilla.cluster.engine.schedule_policy import PriorityPolicy, check_policy, waiting_order
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -61,6 +73,11 @@ class SchedulerConfig:
             off, a prefill is scheduled whole or not at all.
         num_host_blocks: KV blocks the host tier holds (0: no host tier; preempted
             requests are recomputed); needs prefix caching.
+        policy: the admission order of waiting requests (``fcfs``, ``lpm``, ``random``,
+            ``dfs-weight``, ``lof``; :mod:`~flotilla.cluster.engine.schedule_policy`).
+        priority: priority scheduling (None: every request is of one level).
+        max_new_requests: the most waiting requests admitted in one step (None: no cap).
+        seed: seeds the ``random`` policy's shuffles.
     """
 
     num_blocks: int
@@ -70,10 +87,17 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_host_blocks: int = 0
+    policy: str = "fcfs"
+    priority: PriorityPolicy | None = None
+    max_new_requests: int | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             _check_positive_int(name, getattr(self, name))
+        check_policy(self.policy)
+        if self.max_new_requests is not None:
+            _check_positive_int("max_new_requests", self.max_new_requests)
         if isinstance(self.num_host_blocks, bool) or not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be an integer >= 0 (got num_host_blocks={self.num_host_blocks!r})")
         if self.num_host_blocks and not self.enable_prefix_caching:
@@ -175,6 +199,7 @@ class Scheduler:
         self.host_tier = HostKVTier(config.num_host_blocks) if config.num_host_blocks else None
         # Block references kept past their request's end (hold_blocks), by request id.
         self._held: dict[str, list[int]] = {}
+        self._rng = random.Random(config.seed)
 
     # ---- queries -------------------------------------------------------------
 
@@ -209,7 +234,7 @@ class Scheduler:
     # ---- lifecycle -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        """Queue a new request (last in FCFS order)."""
+        """Queue a new request (last in arrival order)."""
         if request.request_id in self._requests:
             raise ValueError(f"request_id {request.request_id!r} is already live; request ids must be unique")
         if request.status is not RequestStatus.WAITING or request.block_ids:
@@ -318,7 +343,7 @@ class Scheduler:
         self.pool.record_prefix_query(prompt_len, num_cached)
         request.append_output_token(int(first_token))
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._run(request)
         return list(request.block_ids), len(cached_blocks)
 
     def commit_prefilled(self, request_id: str) -> None:
@@ -370,37 +395,101 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached_blocks, num_cached = self.pool.match_prefix(request.all_token_ids, request.block_hashes)
-            host_keys = self._host_hits(request, len(cached_blocks))
-            num_cached += len(host_keys) * self.pool.block_size
-            num_new = request.num_tokens - num_cached
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    return
-                num_new = budget
-            needed = self.pool.blocks_for_tokens(num_cached + num_new) - len(cached_blocks)
-            if not self.pool.can_allocate(needed, cached_blocks):
+        """Admit waiting requests in the policy's order until one does not fit."""
+        config = self.config
+        may_preempt = config.priority is not None and config.priority.preemption
+        if not self.waiting or budget <= 0 or (len(self.running) >= config.max_num_seqs and not may_preempt):
+            return
+        order = waiting_order(list(self.waiting), config.policy, self.pool, config.priority, self._rng)
+        for admitted, request in enumerate(order):
+            if budget <= 0 or (config.max_new_requests is not None and admitted >= config.max_new_requests):
                 return
-            self.waiting.popleft()
-            self.pool.touch(cached_blocks)
-            fresh = self.pool.allocate(needed)
-            request.block_ids = cached_blocks + fresh
-            request.num_committed_blocks = len(cached_blocks)
-            request.num_computed_tokens = num_cached
-            if host_keys:
-                out.kv_load += zip(self.host_tier.take(host_keys), fresh)
-                # NOTE: the loads are queued before this step's forward, so the blocks may
-                # serve other requests' prefix matches from now on.
-                self.pool.commit_full_blocks(request)
-            if request.num_preemptions == 0:
-                request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
-                self.pool.record_prefix_query(request.num_prompt_tokens, request.num_cached_prompt_tokens)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
-            budget -= num_new
+            taken = self._admit(request, out, budget)
+            if taken is None:
+                refund = self._preempt_for(request, out)
+                if refund is None:
+                    return
+                budget += refund
+                taken = self._admit(request, out, budget)
+                if taken is None:
+                    return
+            budget -= taken
+
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit ``request`` with a prefill chunk of at most ``budget`` tokens; returns the
+        tokens scheduled, or None (nothing changed) when it does not fit now."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        cached_blocks, num_cached = self.pool.match_prefix(request.all_token_ids, request.block_hashes)
+        host_keys = self._host_hits(request, len(cached_blocks))
+        num_cached += len(host_keys) * self.pool.block_size
+        num_new = request.num_tokens - num_cached
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        needed = self.pool.blocks_for_tokens(num_cached + num_new) - len(cached_blocks)
+        if not self.pool.can_allocate(needed, cached_blocks):
+            return None
+        self.waiting.remove(request)
+        self.pool.touch(cached_blocks)
+        fresh = self.pool.allocate(needed)
+        request.block_ids = cached_blocks + fresh
+        request.num_committed_blocks = len(cached_blocks)
+        request.num_computed_tokens = num_cached
+        if host_keys:
+            out.kv_load += zip(self.host_tier.take(host_keys), fresh)
+            # NOTE: the loads are queued before this step's forward, so the blocks may
+            # serve other requests' prefix matches from now on.
+            self.pool.commit_full_blocks(request)
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = min(num_cached, request.num_prompt_tokens)
+            self.pool.record_prefix_query(request.num_prompt_tokens, request.num_cached_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        self._run(request)
+        out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
+        return num_new
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Priority preemption: make room for the waiting ``request`` by preempting running
+        requests it may preempt (:meth:`PriorityPolicy.may_preempt`), least urgent and latest
+        first, as many as its blocks and a running slot need. Their share of this step is
+        taken back; returns those tokens, or None when nothing was preempted."""
+        priority = self.config.priority
+        if priority is None or not priority.preemption:
+            return None
+        victims = []
+        # NOTE: running is ordered by (urgency, arrival): the candidates are at its end.
+        for running in reversed(self.running):
+            if not priority.may_preempt(request, running):
+                break
+            victims.append(running)
+        needed = self.pool.blocks_for_tokens(request.num_tokens)
+        free, chosen = self.pool.num_free_blocks, []
+        for victim in victims:
+            if free >= needed and len(self.running) - len(chosen) < self.config.max_num_seqs:
+                break
+            chosen.append(victim)
+            free += sum(1 for block in victim.block_ids if self.pool.ref_count(block) == 1)
+        if not chosen:
+            return None
+        refund = 0
+        for victim in chosen:
+            refund += sum(item.num_new_tokens for item in out.scheduled if item.request is victim)
+            out.scheduled = [item for item in out.scheduled if item.request is not victim]
+            self.running.remove(victim)
+            self._offload(victim, out)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        return refund
+
+    def _run(self, request: Request) -> None:
+        """Put an admitted request into ``running`` at its place: (urgency, arrival) order."""
+        priority = self.config.priority
+        if priority is None:
+            bisect.insort(self.running, request, key=lambda r: r.arrival_order)
+        else:
+            bisect.insort(self.running, request, key=lambda r: (priority.urgency(r), r.arrival_order))
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int | None]) -> list[Request]:
         """Advance the requests of a finished step.
@@ -464,7 +553,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        # NOTE: at its arrival place (the front under fcfs: it arrived before every waiting one).
+        index = next((i for i, r in enumerate(self.waiting) if r.arrival_order > request.arrival_order), len(self.waiting))
+        self.waiting.insert(index, request)
 
     def _release_blocks(self, request: Request) -> None:
         self.pool.free(request.block_ids)
@@ -484,8 +575,15 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request} is waiting"
             assert not request.block_ids and request.num_computed_tokens == 0, f"waiting {request} holds blocks"
-        order = [r.arrival_order for r in self.running] + [r.arrival_order for r in self.waiting]
-        assert order == sorted(order), f"queues out of arrival order: {order}"
+        waiting = [r.arrival_order for r in self.waiting]
+        assert waiting == sorted(waiting), f"waiting queue out of arrival order: {waiting}"
+        priority = self.config.priority
+        key = (lambda r: r.arrival_order) if priority is None else (lambda r: (priority.urgency(r), r.arrival_order))
+        running = [key(r) for r in self.running]
+        assert running == sorted(running), f"running out of (urgency, arrival) order: {running}"
+        if self.config.policy == "fcfs" and priority is None:
+            order = [r.arrival_order for r in self.running] + waiting
+            assert order == sorted(order), f"fcfs: queues out of arrival order: {order}"
         assert len(self.running) <= self.config.max_num_seqs
         assert set(self._requests) == {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         for blocks in self._held.values():

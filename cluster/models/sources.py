@@ -85,6 +85,15 @@ def resolve_model_source(model: str | None, revision: str | None = None) -> Mode
     )
 
 
+def served_model_source(model: str | None, config: Any) -> ModelSource:
+    """The model a replica serves: the ``--model`` value (with the config's ``--revision``)
+    when the driver passed it on, else the resolved config's ``model_path`` (the path
+    resolution was given)."""
+    if model is not None:
+        return resolve_model_source(model, getattr(config, "revision", None))
+    return resolve_model_source(config.model_path)
+
+
 def check_user_settings(given: Mapping[str, Any]) -> None:
     """Refuse, before anything starts, every server field the user set that the runtime
     would not act on (:mod:`flotilla.resolution.runtime_support`): raises

@@ -52,8 +52,14 @@ def make(num_blocks=64, block_size=4, **kwargs) -> tuple[Scheduler, FakeRunner]:
 
 def check_output(scheduler: Scheduler, output: SchedulerOutput, waiting_before: set[str]) -> None:
     admitted = [item.request for item in output.scheduled if item.request.request_id in waiting_before]
-    # NOTE: admitting right after a preemption would only thrash: nothing joins that step.
-    assert not (output.preempted and admitted), f"admitted {admitted} in a step that preempted {output.preempted}"
+    priority = scheduler.config.priority
+    if priority is None:
+        # NOTE: admitting right after a preemption would only thrash: nothing joins that step.
+        assert not (output.preempted and admitted), f"admitted {admitted} in a step that preempted {output.preempted}"
+    elif output.preempted and admitted:
+        # NOTE: priority preemption: only a more urgent arrival preempts, and only less urgent ones.
+        most_urgent = min(priority.urgency(r) for r in admitted)
+        assert all(priority.urgency(r) > most_urgent for r in output.preempted), (admitted, output.preempted)
     for item in output.scheduled:
         assert len(item.request.block_ids) * scheduler.pool.block_size >= item.start_position + item.num_new_tokens
 
