@@ -415,11 +415,11 @@ def serves_tls(config) -> bool:
 
 def http_options(config) -> dict[str, Any]:
     """Serve's ``http_options`` for the endpoint: ``--host``/``--port`` and, with
-    ``--ssl-certfile``/``--ssl-keyfile`` (plus ``--ssl-keyfile-password``, ``--ssl-ca-certs``),
-    TLS, so the port answers HTTPS only."""
+    ``--ssl-certfile``/``--ssl-keyfile`` (plus ``--ssl-keyfile-password``), TLS, so the port
+    answers HTTPS only."""
     options: dict[str, Any] = {"host": config.host, "port": int(config.port)}
     if serves_tls(config):
-        for name in ("ssl_certfile", "ssl_keyfile", "ssl_keyfile_password", "ssl_ca_certs"):
+        for name in ("ssl_certfile", "ssl_keyfile", "ssl_keyfile_password"):
             if getattr(config, name):
                 options[name] = str(getattr(config, name))
     return options

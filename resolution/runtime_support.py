@@ -786,7 +786,11 @@ _SERVING = _table(
     honored("the port Serve's HTTP proxy listens on", "port"),
     honored("HTTPS: the proxy serves TLS with this key (and no plain HTTP on the port)", "ssl_keyfile"),
     honored("HTTPS: the proxy serves TLS with this certificate", "ssl_certfile"),
-    honored("HTTPS: the CA bundle the proxy verifies client certificates with", "ssl_ca_certs"),
+    refused(
+        "client-certificate verification is not available through Ray Serve's HTTP options (Serve hands uvicorn "
+        "the CA bundle but never asks clients for a certificate); drop the flag, or verify clients in a proxy in front",
+        "ssl_ca_certs",
+    ),
     honored("HTTPS: the passphrase of an encrypted key file", "ssl_keyfile_password"),
     honored("every route but /health needs 'Authorization: Bearer <key>'", "api_key"),
     honored("the admin routes (elastic EP scaling) need this key instead of --api-key", "admin_api_key"),

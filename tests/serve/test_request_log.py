@@ -91,3 +91,21 @@ def test_log_level_sets_flotillas_loggers():
             apply_log_level(SimpleNamespace(log_level="loud"))
     finally:
         logger.setLevel(before)
+
+
+def test_the_request_log_goes_to_stdout_and_other_targets_are_refused(capsys):
+    from flotilla.resolution.runtime_support import refusals
+    from flotilla.serve.request_log import configure_request_log, request_log
+
+    handlers, propagate = list(request_log.handlers), request_log.propagate
+    try:
+        request_log.handlers.clear()
+        configure_request_log()
+        request_log.info("request_id=x")
+        assert capsys.readouterr().out == "request_id=x\n"
+    finally:
+        request_log.handlers[:] = handlers
+        request_log.propagate = propagate
+    assert refusals({"log_requests_target": ["stdout"]}) == ()
+    (refusal,) = refusals({"log_requests_target": ["stdout", "/var/log/flotilla"]})
+    assert refusal.line.startswith("--log-requests-target stdout /var/log/flotilla is not supported")
