@@ -265,6 +265,17 @@ def test_llm_refuses_before_loading_the_model():
         check_runtime_support({"stat_loggers": {"x": object}})
 
 
+def test_serve_run_build_refuses_before_ray():
+    import ray
+
+    from flotilla.serve.app import build
+
+    connected = ray.is_initialized()
+    with pytest.raises(UnsupportedSettingsError, match=r"--lora-paths a=/x is not supported by flotilla's runtime: LoRA"):
+        build({"model": "smollm2", "lora_paths": "a=/x"})
+    assert ray.is_initialized() == connected  # NOTE: refused before build() connects to Ray
+
+
 def test_noop_flags_get_one_notice_line():
     assert noop_notice({"trust_remote_code": True, "tp_size": 2}) == (
         "note: these flags have no effect in flotilla (see `flotilla resolve --runtime-support`): --trust-remote-code"
