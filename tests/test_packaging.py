@@ -1,5 +1,8 @@
-"""The distribution installs one import root, ``flotilla``, and nothing bare."""
+"""The distribution installs one import root, ``flotilla``, and nothing bare; a CPU install gets a CPU torch."""
 
+import json
+import os
+import platform
 import subprocess
 import sys
 import zipfile
@@ -34,3 +37,77 @@ def test_built_wheel_holds_only_the_flotilla_package(tmp_path):
     assert "flotilla/resolution/engine.py" in names
     assert "flotilla/deploy/cli.py" in names
     assert not any(n.startswith("flotilla/tests/") for n in names)
+
+
+# --- The CPU install (constraints/cpu.txt) ---------------------------------------------------
+
+CPU_CONSTRAINTS = REPO / "constraints" / "cpu.txt"
+PLATFORMS = {
+    "linux-x86_64": {"platform_system": "Linux", "sys_platform": "linux", "platform_machine": "x86_64"},
+    "linux-aarch64": {"platform_system": "Linux", "sys_platform": "linux", "platform_machine": "aarch64"},
+    "macos-arm64": {"platform_system": "Darwin", "sys_platform": "darwin", "platform_machine": "arm64"},
+    "windows-amd64": {"platform_system": "Windows", "sys_platform": "win32", "platform_machine": "AMD64"},
+}
+
+
+def _torch_pins(environment):
+    from packaging.requirements import Requirement
+
+    lines = [line.strip() for line in CPU_CONSTRAINTS.read_text().splitlines()]
+    reqs = [Requirement(line) for line in lines if line and not line.startswith("#")]
+    return [str(r.specifier) for r in reqs if r.name == "torch" and (r.marker is None or r.marker.evaluate(environment))]
+
+
+@pytest.mark.parametrize("name", sorted(PLATFORMS))
+def test_cpu_constraints_pin_one_cpu_torch_per_platform(name):
+    # NOTE: PyPI's Linux torch 2.13.0 (x86_64 and aarch64) is the CUDA 13 build; only the
+    # local version +cpu (PyTorch's CPU index, or a local wheel) is the CPU one.
+    expected = "==2.13.0+cpu" if name.startswith("linux") else "==2.13.0"
+    assert _torch_pins(PLATFORMS[name]) == [expected]
+
+
+def _fake_torch_wheel(folder, version, requires=()):
+    """A metadata-only wheel named torch, enough for pip's resolver."""
+    info = f"torch-{version}.dist-info"
+    files = {
+        "torch/__init__.py": "",
+        f"{info}/METADATA": "\n".join(
+            ["Metadata-Version: 2.1", "Name: torch", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+        )
+        + "\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(folder / f"torch-{version}-py3-none-any.whl", "w") as whl:
+        for n, text in files.items():
+            whl.writestr(n, text)
+
+
+def _resolve_torch_offline(links, constraints):
+    """pip's choice of torch from `links` alone (no index, no pip config), or None when it finds none."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull  # NOTE: skips the global config too, where --isolated does not
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet"]
+    cmd += ["--no-index", "--find-links", str(links), "--report", "-", *constraints, "torch"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        return None
+    (item,) = json.loads(out.stdout)["install"]
+    return item["metadata"]["version"]
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the +cpu pin applies on Linux")
+def test_cpu_constraints_refuse_the_cuda_torch_rather_than_fall_back(tmp_path):
+    cuda = tmp_path / "cuda"
+    both = tmp_path / "both"
+    cuda.mkdir()
+    both.mkdir()
+    nvidia = ['nvidia-cudnn-cu13==9.20.0.48; platform_system == "Linux"']
+    _fake_torch_wheel(cuda, "2.13.0", nvidia)
+    _fake_torch_wheel(both, "2.13.0", nvidia)
+    _fake_torch_wheel(both, "2.13.0+cpu")
+    pinned = ["-c", str(CPU_CONSTRAINTS)]
+    # Without the pins pip takes PyPI's (CUDA) wheel; with them it takes only the CPU one, or none.
+    assert _resolve_torch_offline(cuda, []) == "2.13.0"
+    assert _resolve_torch_offline(cuda, pinned) is None
+    assert _resolve_torch_offline(both, pinned) == "2.13.0+cpu"
