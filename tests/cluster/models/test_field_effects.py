@@ -129,3 +129,27 @@ def test_moe_a2a_backend_picks_the_token_exchange_of_expert_parallel_layers(moe_
         _, layout = rank_layout(moe_dir, {"tp": _World(2)}, tp_size=2, ep_size=2, **flags)
         assert (layout.ep_size, layout.moe_tp_size) == (2, 1)
         assert type(make_dispatcher(layout)) is dispatcher, flags
+
+
+# -- --quantization fp8 -----------------------------------------------------------------------
+
+
+def test_quantization_fp8_serves_a_block_fp8_checkpoint_and_is_refused_for_another(tmp_path):
+    """``--quantization fp8`` on a block-FP8 checkpoint: its projections load as float8 with
+    their scales and the greedy tokens are those of its dequantized twin. The runtime runs a
+    checkpoint's own quantization only, so the flag on the plain twin stops the start."""
+    from flotilla import LLM, SamplingParams
+    from flotilla.resolution.runtime_support import UnsupportedSettingsError
+    from helpers.tiny_fp8 import save_fp8_case
+
+    fp8_dir, dequant_dir = save_fp8_case("qwen3", tmp_path)
+    prompts = [[5, 17, 300, 2, 41], [99, 3]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fp8 = LLM(str(fp8_dir), platform=preset("cpu"), quantization="fp8")
+    assert fp8.config.quantization == "fp8"
+    projection = fp8.engine.runner.model.model.layers[0].self_attn.o_proj
+    assert projection.weight.dtype == torch.float8_e4m3fn and projection.weight_scale_inv.dtype == torch.float32
+    want = [o.outputs[0].token_ids for o in LLM(str(dequant_dir), platform=preset("cpu")).generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in fp8.generate(prompts, params)] == want
+    with pytest.raises(UnsupportedSettingsError, match="--quantization fp8 is not supported by flotilla's runtime"):
+        LLM(str(dequant_dir), platform=preset("cpu"), quantization="fp8")
