@@ -12,12 +12,12 @@ the sampler runs them after the decode graph (launch cost and gaps included). Ne
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from flotilla.deploy.bench_env import write_result
 from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a script from here)
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             f"triton {row['triton_eager_us']:.2f} us"
         )
     if opts.json:
-        opts.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+        write_result(opts.json, {"device": torch.cuda.get_device_name(), "results": results})
     return 0
 
 

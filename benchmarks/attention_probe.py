@@ -29,12 +29,12 @@ Before the Triton kernel existed this probe also timed flashinfer's CUDA-core de
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 import torch
+from flotilla.deploy.bench_env import write_result
 from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a script from here)
 
 LAYOUTS = {"llama-3.1-8b": (32, 8), "qwen3-30b-a3b": (32, 4)}
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"    best config {best}: {row['sweep_us'][best]:.2f} us", flush=True)
                 results.append(row)
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2))
+        write_result(opts.json, results)
     return 0
 
 

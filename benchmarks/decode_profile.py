@@ -31,6 +31,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
+
 # Kernel-name patterns of each family, matched in order (first match wins).
 FAMILIES = (
     ("attention", r"flashinfer.*(Prefill|Decode|MLA|Attention)|BatchPrefill|BatchDecode|MergeStates|fmha|mla"),
@@ -128,11 +130,11 @@ def _profile(opts: argparse.Namespace, flags: dict[str, object], without: list[s
     for kernel in kernels[:25]:
         print(f"  {kernel['total_us'] / steps:9.1f} us  x{kernel['count'] // steps:<4} {kernel['family']:<10} {kernel['name'][:110]}")
     if opts.json:
-        opts.json.write_text(json.dumps({
+        write_result(opts.json, {
             "shape": name, "batch_size": opts.batch_size, "mode": "graph replay" if replay else "eager steps",
             "steps": steps, "without": without, "replay_ms": replay_ms, "kernel_ms_per_step": total / 1e3, "families_ms": {k: v / 1e3 for k, v in families.items()},
             "kernels": kernels,
-        }, indent=2))  # fmt: skip
+        })  # fmt: skip
     llm.shutdown()
     return 0
 

@@ -41,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
+
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_bench import server_flags  # noqa: E402
 
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"shape": SHAPE, "flags": flags, "device": config.device, "args": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds, "median": summary}
     print(json.dumps(summary, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(args.json, out)
     return 0
 
 

@@ -31,12 +31,12 @@ few programs per SM, took 26.6 us on q/k/v and 85.1 us on gate/up (cuBLAS alone:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from flotilla.deploy.bench_env import write_result
 from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a script from here)
 
 NORM_SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096)}
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, us in sorted(row.items(), key=lambda item: item[1])[:6]:
             print(f"    {us:7.1f} us  {label}")
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2))
+        write_result(opts.json, results)
     return 0
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from flotilla.deploy.bench_env import write_result
 from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a script from here)
 
 HIDDEN, INTERMEDIATE, VOCAB = 4096, 14336, 128256
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = None
         torch.cuda.empty_cache()
     if opts.json:
-        opts.json.write_text(json.dumps(rows_out, indent=2))
+        write_result(opts.json, rows_out)
     return 0
 
 

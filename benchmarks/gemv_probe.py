@@ -13,12 +13,12 @@ measures its peak with (4.27 TB/s): compare the GEMVs with the latter.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from flotilla.deploy.bench_env import write_result
 from graph_timing import replay_us  # benchmarks/graph_timing.py (run as a script from here)
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         weights.clear()
         torch.cuda.empty_cache()
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2))
+        write_result(opts.json, results)
     return 0
 
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from flotilla.deploy.bench import shape_config, shape_names
-from flotilla.deploy.bench_env import environment
+from flotilla.deploy.bench_env import environment, write_result
 from flotilla.deploy.bench_roofline import WeightBytes, mbu, measure_copy_bandwidth
 from flotilla.deploy.bench_run import random_prompts
 
@@ -177,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if args.json:  # NOTE: after every part, so a run cut short keeps what it measured
-            out = Path(args.json)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+            write_result(args.json, results, sort_keys=True)
     print(f"copy bandwidth {bandwidth['peak_bytes_per_s'] / 1e12:.3f} TB/s; weights {weights.total / 1e9:.2f} GB")
     if args.json:
         print(f"wrote {args.json}")

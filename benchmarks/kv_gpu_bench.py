@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from pd_bench import raw_nixl_gbps  # noqa: E402
@@ -189,10 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     results["kv_read_over_raw_nixl"] = round(
         results["kv_read_gb_s_median"] / results["raw_nixl_gb_s_by_bytes"][str(results["bytes_per_read"])], 3
     )
-    results["command"] = [sys.executable, *sys.argv]
     print(json.dumps(results, indent=2))
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_result(opts.json, results)
     return 0
 
 

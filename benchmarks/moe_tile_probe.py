@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import os
 import sys
@@ -50,6 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from flotilla.deploy.bench_env import write_result
 
 # benchmarks/ (the probe runs as a script from the repository root)
 from moe_tile_bench import QWEN3_30B_A3B, SMOKE_SHAPE, BatchBench, Shape, make_weights, moe_config
@@ -244,8 +245,7 @@ def smoke_geometries(run: Run, weight_sets: list, batches: list[int], seed: int)
 
 def _write(path: Path | None, meta: dict, results: dict, started: float) -> None:
     if path is not None:
-        path.write_text(json.dumps({**meta, "elapsed_s": round(time.monotonic() - started, 1), "per_batch": results},
-                                   indent=2))
+        write_result(path, {**meta, "elapsed_s": round(time.monotonic() - started, 1), "per_batch": results})
 
 
 def probe_batch(run: Run, opts: argparse.Namespace, weight_sets: list, batch: int, precompile, deadline: float) -> dict:

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+from flotilla.deploy.bench_env import write_result
 from graph_timing import events_ms  # benchmarks/graph_timing.py (run as a script from here)
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, PAGE = 32, 8, 128, 4096, 14336, 16
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         row["green"] = green_context_rows(opts, caches, weights, workspace, decode, q, x, mid)
     print(json.dumps(row, indent=1), flush=True)
     if opts.json:
-        opts.json.write_text(json.dumps(row, indent=2))
+        write_result(opts.json, row)
     return 0
 
 

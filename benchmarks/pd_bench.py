@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from serve_bench import random_token_prompts, server_flags  # noqa: E402
@@ -209,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_flags": flags,
         "kv_transport": opts.kv_transport,
         "model": name,
-        "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0], "device": prefill.device or "cpu"},
-        "date": time.strftime("%Y-%m-%d"),
+        "device": prefill.device or "cpu",
         "rounds": rounds,
         "ttft_median_s": {w: med(w, "ttft_median_s") for w in urls},
         "tpot_median_s": {w: med(w, "tpot_median_s") for w in urls},
@@ -222,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
             "serving_path_gb_s": round(moved / seconds / 1e9, 3) if seconds else None,
             "raw_nixl_gb_s_by_bytes": raw,
         },
-        "command": [sys.executable, *sys.argv],
     }
     for key in ("ttft_median_s", "tpot_median_s", "output_tok_s"):
         both = results[key]
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{key}_pd_over_colocated"] = round(both["pd"] / both["colocated"], 3)
     print(json.dumps({k: v for k, v in results.items() if k != "rounds"}, indent=2))
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_result(opts.json, results)
     return 0
 
 

@@ -29,6 +29,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import _server_flags, family_of  # noqa: E402
 from step_timeline import busy_time, device_events  # noqa: E402
@@ -124,7 +126,7 @@ def _run(opts: argparse.Namespace, flags: dict[str, object]) -> int:
             print(f"  {row['tottime_s']:8.3f} s own {row['cumtime_s']:8.3f} s cum  x{row['calls']:<7} {row['function']}")
     print(f"F.linear at M={opts.reference_m}: " + ", ".join(f"{k} {v:.0f}" for k, v in reference.items()) + " TFLOPS")
     if opts.json:
-        opts.json.write_text(json.dumps(report, indent=2))
+        write_result(opts.json, report)
     llm.shutdown()
     return 0
 

@@ -21,12 +21,12 @@ kernel (tensor cores) and the prompts on FA3, as ``FlashInferAttentionPlanner`` 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 import torch
+from flotilla.deploy.bench_env import write_result
 from graph_timing import events_ms  # benchmarks/graph_timing.py (run as a script from here)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mixed {case}: every sequence on FA3 prefill {row['whole_prefill_ms']:.3f} ms, decodes on the decode "
               f"kernel {row['split_ms']:.3f} ms; max diff {row['max_diff']:.1e}", flush=True)  # fmt: skip
     if opts.json:
-        opts.json.write_text(json.dumps(rows, indent=2))
+        write_result(opts.json, rows)
     return 0
 
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from flotilla.resolution.errors import ResolutionError
 from flotilla.resolution.platform import apply_flips
@@ -82,16 +83,12 @@ def main() -> int:
     print(f"`flotilla resolve` process: median {cli * 1e3:.0f} ms; bare python: {bare * 1e3:.0f} ms; ratio {cli / bare:.1f}x")
 
     if opts.json:
-        Path(opts.json).write_text(
-            json.dumps(
-                {
-                    "resolve_ms": {name: round(s * 1e3, 3) for name, s in rows},
-                    "cli_ms": round(cli * 1e3, 1),
-                    "bare_python_ms": round(bare * 1e3, 1),
-                },
-                indent=1,
-            )
-        )
+        results = {
+            "resolve_ms": {name: round(s * 1e3, 3) for name, s in rows},
+            "cli_ms": round(cli * 1e3, 1),
+            "bare_python_ms": round(bare * 1e3, 1),
+        }
+        write_result(opts.json, results)
     return 0
 
 

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
+
 
 def random_token_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``num`` seeded random token-id prompts of ``length`` (ids 0-2 left out: special tokens)."""
@@ -163,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         "stream_batch_ms": options.stream_batch_ms,
         "server_flags": flags,
         "model": options.served_model_name,
-        "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
-        "date": time.strftime("%Y-%m-%d"),
         "rounds": rounds,
         "http_output_tok_s_median": http_tps,
         "in_process_output_tok_s_median": local_tps,
@@ -172,11 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_median_http_s": http_ttft,
         "ttft_median_in_process_s": local_ttft,
         "ttft_overhead_s": round(http_ttft - local_ttft, 4),
-        "command": [sys.executable, *sys.argv],
     }
     print(json.dumps({k: v for k, v in results.items() if k != "rounds"}, indent=2))
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_result(opts.json, results)
     return 0
 
 

@@ -28,6 +28,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from flotilla.deploy.bench_env import write_result
+
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         for op in result["example_step"]["outside"]:
             print(f"  {op['us']:8.2f} us  {op['name']}")
     if opts.json:
-        opts.json.write_text(json.dumps(result, indent=1))
+        write_result(opts.json, result)
     return 0
 
 

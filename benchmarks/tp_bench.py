@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flotilla.deploy.bench_env import write_result
+
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -155,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             for run in (tp1, tp2):
                 run.pop("tokens")
             results["runs"].extend([tp1, tp2, {"summary": summary}])
-    results["command"] = [sys.executable, *sys.argv]
     if opts.json:
-        opts.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_result(opts.json, results)
     print(json.dumps(results, indent=2))
     return 0
 

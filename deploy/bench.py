@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from flotilla.deploy.bench_env import write_result
 from flotilla.resolution import ArgumentError, ResolutionError
 from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
 from flotilla.resolution.fields import FIELDS
@@ -122,10 +123,7 @@ def run_bench(argv: Sequence[str]) -> int:
     results["command"] = ["flotilla", "bench", *argv]
     print(format_summary(results))
     if opts.output_json:
-        out = Path(opts.output_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
-        print(f"\nwrote {out}")
+        print(f"\nwrote {write_result(opts.output_json, results, sort_keys=True)}")
     return 0
 
 

@@ -1,23 +1,38 @@
-"""What a ``flotilla bench`` result was measured on: the device, the library versions, the
-resolved configuration's key fields, the kernel backends and the runner's start-up report."""
+"""What a benchmark result was measured on. :func:`write_result` is how every benchmark writes
+its JSON: with a ``provenance`` (:func:`provenance`: git commit, date, command line, machine,
+library versions). ``flotilla bench`` adds the device, the resolved configuration's key fields,
+the kernel backends and the runner's start-up report."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import json
 import os
 import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any, Sequence
 
 # Distribution names whose versions a result records (None when not installed).
 _PACKAGES = {
     "torch": "torch",
+    "ray": "ray",
     "transformers": "transformers",
     "flashinfer": "flashinfer-python",
     "triton": "triton",
+    "nixl": "nixl",
     "deep_gemm": "sgl-deep-gemm",
 }
+# The checkout: the package root is the repository root.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+# Modified tracked files a dirty result lists, at most.
+_DIRTY_PATHS_SHOWN = 20
 
 
 def probe_device(requested: str | None) -> Any:
@@ -128,3 +143,128 @@ def describe_engine(llm: Any, config_fields: Sequence[str]) -> dict[str, Any]:
         "config": {**{name: _plain(getattr(config, name, None)) for name in config_fields}, "digest": config.digest},
         "kernel_backends": kernel_backends(llm.engine.runner, config),
     }
+
+
+def _run(cmd: Sequence[str]) -> str | None:
+    """The stdout of ``cmd``, or None when it cannot run or fails."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@functools.cache
+def git_state(root: Path = _CHECKOUT) -> dict[str, Any]:
+    """The commit the code ran from and whether tracked files differ from it (``dirty``, with up
+    to 20 of their paths); None values outside a git checkout of flotilla (an installed wheel).
+
+    NOTE: taken once a process, so a benchmark that rewrites a tracked result file as it goes
+    does not find its own output dirty."""
+    top = _run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"])
+    if top is None or Path(top.split()[0]).resolve() != root:
+        return {"commit": None, "dirty": None, "dirty_paths": []}
+    status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]) or ""
+    paths = [line[3:] for line in status.splitlines() if line.strip()]
+    return {"commit": top.split()[1], "dirty": bool(paths), "dirty_paths": paths[:_DIRTY_PATHS_SHOWN]}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_limit_bytes() -> int | None:
+    """The cgroup (v2) memory limit of this process's container, None when unlimited or unknown."""
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _gpus() -> dict[str, Any] | None:
+    """Name, count and driver of the CUDA devices; None without torch or CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    getter = getattr(torch._C, "_cuda_getDriverVersion", None)  # e.g. 13000 for CUDA 13.0
+    api = getter() if getter is not None else None
+    return {
+        "name": torch.cuda.get_device_name(0),
+        "names": sorted({torch.cuda.get_device_name(i) for i in range(count)}),
+        "count": count,
+        "driver": driver.splitlines()[0].strip() if driver else None,
+        "cuda_driver_api": f"{api // 1000}.{api % 1000 // 10}" if api else None,
+        "cuda_runtime": torch.version.cuda,
+    }
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and cores, memory, OS, and the CUDA devices (``gpu``, None without CUDA)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": usable,
+        "memory_bytes": memory,
+        "memory_limit_bytes": _memory_limit_bytes(),
+        "platform": platform.platform(),
+        "gpu": _gpus(),
+    }
+
+
+def versions() -> dict[str, str | None]:
+    """Python's and the installed libraries' versions (None: not installed), torch's CUDA."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    found.update({name: _version(dist) for name, dist in _PACKAGES.items()})
+    try:
+        import torch
+
+        found["torch_cuda"] = torch.version.cuda
+    except ImportError:
+        found["torch_cuda"] = None
+    return found
+
+
+def provenance() -> dict[str, Any]:
+    """What a benchmark result needs to be traced and repeated: the git commit and dirty flag,
+    the date (UTC, ISO 8601), the exact command line and working directory, the machine and
+    the library versions."""
+    return {
+        "git": git_state(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "cwd": os.getcwd(),
+        "machine": machine(),
+        "versions": versions(),
+    }
+
+
+def write_result(path: str | os.PathLike, results: Any, *, sort_keys: bool = False) -> Path:
+    """Write one benchmark result to ``path`` as JSON (parent folders created), its
+    ``provenance`` first; a result that is not a mapping goes under ``results``. Returns the path."""
+    if isinstance(results, dict):
+        if "provenance" in results:
+            raise ValueError("a benchmark result must not carry its own 'provenance' key; write_result adds it")
+        payload = {"provenance": provenance(), **results}
+    else:
+        payload = {"provenance": provenance(), "results": results}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2, sort_keys=sort_keys, default=str) + "\n")
+    return out

@@ -32,6 +32,9 @@ def test_bench_offline_prints_a_table_and_writes_json(tiny_dir, tmp_path, capsys
     assert data["hf_sequential"]["output_tokens"] == 15 and data["hf_batched"]["output_tokens"] == 15
     assert data["ratios"]["vs_hf_batched"] > 0 and data["command"][:3] == ["flotilla", "bench", "offline"]
     assert 0.0 <= data["flotilla"]["prefix_cache_hit_rate"] <= 1.0
+    prov = data["provenance"]  # NOTE: its fields are checked in test_provenance.py
+    assert prov["versions"]["torch"] == torch.__version__ and prov["machine"]["cpu_cores"] >= 1
+    assert prov["date"].endswith("+00:00") and "commit" in prov["git"]
 
 
 def test_bench_rejects_bad_options(capsys):
