@@ -100,7 +100,8 @@ def test_api_key_makes_every_route_but_health_need_the_key(serving):
     open_app = serving()
     assert call(open_app, "POST", "/v1/completions", COMPLETION).status_code == 200
     keyed = serving(api_key="sekret")
-    for method, path, body in (("POST", "/v1/completions", COMPLETION), ("GET", "/v1/models", None), ("GET", "/metrics", None)):
+    routes = (("POST", "/v1/completions", COMPLETION), ("GET", "/v1/models", None), ("GET", "/metrics", None))
+    for method, path, body in routes:
         assert call(keyed, method, path, body).status_code == 401
         assert call(keyed, method, path, body, {"Authorization": "Bearer wrong"}).status_code == 401
     assert call(keyed, "GET", "/health").status_code == 200

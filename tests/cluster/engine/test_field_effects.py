@@ -97,8 +97,8 @@ def test_max_running_requests_caps_the_requests_running_at_once(model_dir):
     counts = {}
     for flags in ({}, {"max_running_requests": 2}):
         engine = llm(model_dir, **flags).engine
-        seen = []
-        tokens = run(engine, prompts, on_step=lambda e: seen.append(e.scheduler.num_running))
+        seen: list[int] = []
+        tokens = run(engine, prompts, on_step=lambda e, seen=seen: seen.append(e.scheduler.num_running))
         counts[bool(flags)] = (max(seen), tokens)
     assert counts[False][0] == 5  # by default all five run together
     assert counts[True][0] == 2
@@ -322,7 +322,8 @@ def graph_sizes(model_dir, **flags):
 def test_disable_decode_cuda_graph_turns_decode_graphs_off(model_dir):
     sizes, reason = graph_sizes(model_dir)
     assert reason is None and sizes[:4] == (1, 2, 4, 8) and sizes[-1] == 256
-    assert graph_sizes(model_dir, disable_decode_cuda_graph=True) == ((), "decode CUDA graphs are disabled by the configuration")
+    off = graph_sizes(model_dir, disable_decode_cuda_graph=True)
+    assert off == ((), "decode CUDA graphs are disabled by the configuration")
 
 
 def test_cuda_graph_config_sets_the_decode_graph_sizes(model_dir):
