@@ -6,19 +6,18 @@ fixture lives in tests/cluster/conftest.py)."""
 import time
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from flotilla.cluster.engine.model_runner import ModelRunner  # noqa: E402
-from flotilla.cluster.engine.request import Request  # noqa: E402
-from flotilla.cluster.engine.sampler import SamplingRow  # noqa: E402
-from flotilla.cluster.engine.sampling_params import SamplingParams  # noqa: E402
-from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from flotilla.cluster.group import WorkerGroup, WorkerGroupError  # noqa: E402
-from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
-from flotilla.cluster.worker import ConfigMismatchError, StepBatch, WorkerActor  # noqa: E402
-from helpers.nodes import NODE_B, node_holding  # noqa: E402
-from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
+from flotilla.cluster.engine.model_runner import ModelRunner
+from flotilla.cluster.engine.request import Request
+from flotilla.cluster.engine.sampler import SamplingRow
+from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig
+from flotilla.cluster.group import WorkerGroup, WorkerGroupError
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.cluster.worker import ConfigMismatchError, StepBatch, WorkerActor
+from helpers.nodes import NODE_B, node_holding
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from helpers.tiny_models import save_tiny_llama
 
 PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5, 120]

@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+import ray
 import torch
 
 from flotilla.serve.kv_endpoint import (
@@ -32,7 +33,6 @@ from flotilla.serve.kv_transfer import (
     check_compatible,
 )
 
-ray = pytest.importorskip("ray")
 
 # 2 layers x (K, V), each [16 blocks, 4 tokens, 2 heads, 8]
 SMALL = dict(num_layers=2, num_blocks=16, block_shape=(4, 2, 8))

@@ -11,12 +11,12 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import ray
 import torch
 
 from flotilla.kernels.kv_dtype import storage_view
 from flotilla.serve.kv_transfer import HeadSpan, NixlTransport, RayObjectTransport
 
-ray = pytest.importorskip("ray")
 
 # 2 layers x (K, V), each [8 blocks, 4 tokens, 2 heads, 8]
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 2, 8, (4, 2, 8)

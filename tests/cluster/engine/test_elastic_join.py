@@ -20,25 +20,22 @@ import threading
 import time
 
 import pytest
+import ray
 
-pytest.importorskip("ray")
-
-import ray  # noqa: E402
-
-from flotilla import SamplingParams  # noqa: E402
-from flotilla.cluster.elastic import ElasticJoinError  # noqa: E402
-from flotilla.cluster.eplb import ExpertPlacement  # noqa: E402
-from flotilla.cluster.engine.dp_scheduler import DPScheduler  # noqa: E402
-from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
-from flotilla.cluster.engine.llm_engine import LLMEngine  # noqa: E402
-from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
-from flotilla.cluster.platform import probe  # noqa: E402
-from flotilla.resolution import ModelFacts, ServerArgs, resolve  # noqa: E402
-from flotilla.serve.elastic_ep import joiner_fields  # noqa: E402
-from helpers.elastic_live import ELASTIC  # noqa: E402
-from helpers.nodes import NODE_A, NODE_B, node_holding  # noqa: E402
-from helpers.prompts import random_prompts  # noqa: E402
-from helpers.tiny_moe import save_tiny_qwen3_moe  # noqa: E402
+from flotilla import SamplingParams
+from flotilla.cluster.elastic import ElasticJoinError
+from flotilla.cluster.eplb import ExpertPlacement
+from flotilla.cluster.engine.dp_scheduler import DPScheduler
+from flotilla.cluster.engine.group_runner import GroupRunner
+from flotilla.cluster.engine.llm_engine import LLMEngine
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.cluster.platform import probe
+from flotilla.resolution import ModelFacts, ServerArgs, resolve
+from flotilla.serve.elastic_ep import joiner_fields
+from helpers.elastic_live import ELASTIC
+from helpers.nodes import NODE_A, NODE_B, node_holding
+from helpers.prompts import random_prompts
+from helpers.tiny_moe import save_tiny_qwen3_moe
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

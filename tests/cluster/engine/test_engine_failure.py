@@ -11,14 +11,13 @@ EngineDeadError, and serve again after ``restart()``.
 import time
 
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
-
-from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine  # noqa: E402
-from flotilla.cluster.engine.sampling_params import SamplingParams  # noqa: E402
-from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
-from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
+from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
+from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from helpers.tiny_models import save_tiny_llama
 
 STEP_BOUND_S = 20

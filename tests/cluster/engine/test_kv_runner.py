@@ -19,25 +19,24 @@ import uuid
 from contextlib import contextmanager
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from flotilla.cluster.distributed import Communicator  # noqa: E402
-from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
-from flotilla.cluster.engine.kv_handoff import KVHandoffError, decode_prefilled, handoff, prefill, release_prefill  # noqa: E402
-from flotilla.cluster.engine.kv_ports import KVRankError, check_kv_attachable  # noqa: E402
-from flotilla.cluster.engine.llm_engine import LLMEngine  # noqa: E402
-from flotilla.cluster.engine.model_runner import ModelRunner  # noqa: E402
-from flotilla.cluster.engine.sampling_params import SamplingParams  # noqa: E402
-from flotilla.cluster.group import WorkerGroupError  # noqa: E402
-from flotilla.cluster.models.base import ParallelLayout  # noqa: E402
-from flotilla.cluster.models.layers import kv_head_span  # noqa: E402
-from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
-from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
-from flotilla.serve.kv_endpoint import KVEndpointFactory  # noqa: E402
-from helpers.prompts import random_prompts  # noqa: E402
-from helpers.tiny_deepseek import save_tiny_deepseek_v2  # noqa: E402
-from helpers.torch_threads import one_intra_op_thread  # noqa: E402
+from flotilla.cluster.distributed import Communicator
+from flotilla.cluster.engine.group_runner import GroupRunner
+from flotilla.cluster.engine.kv_handoff import KVHandoffError, decode_prefilled, handoff, prefill, release_prefill
+from flotilla.cluster.engine.kv_ports import KVRankError, check_kv_attachable
+from flotilla.cluster.engine.llm_engine import LLMEngine
+from flotilla.cluster.engine.model_runner import ModelRunner
+from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.group import WorkerGroupError
+from flotilla.cluster.models.base import ParallelLayout
+from flotilla.cluster.models.layers import kv_head_span
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from flotilla.serve.kv_endpoint import KVEndpointFactory
+from helpers.prompts import random_prompts
+from helpers.tiny_deepseek import save_tiny_deepseek_v2
+from helpers.torch_threads import one_intra_op_thread
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPT_LENS = (5, 17, 40)  # under one block, two blocks, three blocks (of 16 tokens)

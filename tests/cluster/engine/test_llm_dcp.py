@@ -12,18 +12,16 @@ empty), generated in one batch, must equal the single rank's token for token.
 
 import pytest
 
-pytest.importorskip("ray")
-
-from flotilla import LLM, SamplingParams  # noqa: E402
-from flotilla.cluster.distributed import Communicator  # noqa: E402
-from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
-from flotilla.cluster.engine.model_runner import ModelRunner  # noqa: E402
-from flotilla.cluster.models.base import ParallelLayout  # noqa: E402
-from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
-from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
-from helpers.tiny_deepseek import save_tiny_deepseek_v2  # noqa: E402
-from helpers.tiny_models import save_tiny_llama  # noqa: E402
-from helpers.prompts import random_prompts  # noqa: E402
+from flotilla import LLM, SamplingParams
+from flotilla.cluster.distributed import Communicator
+from flotilla.cluster.engine.group_runner import GroupRunner
+from flotilla.cluster.engine.model_runner import ModelRunner
+from flotilla.cluster.models.base import ParallelLayout
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from helpers.tiny_deepseek import save_tiny_deepseek_v2
+from helpers.tiny_models import save_tiny_llama
+from helpers.prompts import random_prompts
 
 NEW_TOKENS = 32
 PROMPT_LENS = (1, 6, 19, 40)

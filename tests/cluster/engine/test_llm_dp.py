@@ -12,17 +12,16 @@ margins (see ``save_tiny_llama``) are far above the reduction-order noise of sha
 """
 
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
-
-from flotilla import LLM, SamplingParams  # noqa: E402
-from flotilla.cluster.engine.dp_scheduler import DPScheduler  # noqa: E402
-from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
-from flotilla.cluster.engine.model_runner import ModelRunner  # noqa: E402
-from flotilla.cluster.engine.scheduler import SchedulerOutput  # noqa: E402
-from flotilla.cluster.models.sources import resolve_model_source  # noqa: E402
-from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve  # noqa: E402
+from flotilla import LLM, SamplingParams
+from flotilla.cluster.engine.dp_scheduler import DPScheduler
+from flotilla.cluster.engine.group_runner import GroupRunner
+from flotilla.cluster.engine.model_runner import ModelRunner
+from flotilla.cluster.engine.scheduler import SchedulerOutput
+from flotilla.cluster.models.sources import resolve_model_source
+from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 
 NEW_TOKENS = 32
 FLAGS = {"max_total_tokens": 1024, "chunked_prefill_size": 16}

@@ -7,12 +7,10 @@ all-to-all)."""
 
 import pytest
 
-pytest.importorskip("ray")
-
-from flotilla import LLM, SamplingParams  # noqa: E402
-from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
-from helpers.tiny_moe import save_tiny_qwen3_moe  # noqa: E402
-from helpers.prompts import random_prompts  # noqa: E402
+from flotilla import LLM, SamplingParams
+from flotilla.cluster.engine.group_runner import GroupRunner
+from helpers.tiny_moe import save_tiny_qwen3_moe
+from helpers.prompts import random_prompts
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 40)

@@ -5,10 +5,8 @@ the driver, so the request's generator advances exactly as in process)."""
 
 import pytest
 
-pytest.importorskip("ray")
-
-from flotilla import LLM, SamplingParams  # noqa: E402
-from flotilla.cluster.engine.group_runner import GroupRunner  # noqa: E402
+from flotilla import LLM, SamplingParams
+from flotilla.cluster.engine.group_runner import GroupRunner
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
