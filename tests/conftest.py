@@ -1,6 +1,7 @@
 """Test-session settings shared by every tier."""
 
 import os
+import re
 
 import pytest
 
@@ -33,7 +34,7 @@ def ray_cluster():
 
     NOTE: session-scoped and shared: two test modules must never each ``ray.init``.
     """
-    ray = pytest.importorskip("ray")
+    import ray
     from ray.cluster_utils import Cluster
 
     from helpers.nodes import NODE_A, NODE_B, NODE_B_CPUS
@@ -49,3 +50,56 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# The skip gate (.ci/run sets FLOTILLA_FAIL_ON_SKIP=1): a test or module skipped for any reason
+# but the machine lacking a GPU or Triton fails the run, so a missing pinned dependency, data set
+# or fixture cannot pass as a skip. Such skips say so: "needs a GPU", "needs a CUDA GPU",
+# "needs 2 GPUs", "needs Triton ...".
+ALLOWED_SKIP_REASON = re.compile(r"needs (a GPU|a CUDA GPU|\d+ GPUs|Triton)\b")
+
+
+def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The reason of a skipped test or collector, without pytest's ``Skipped: `` prefix."""
+    text = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+class SkipGate:
+    """Collects the skips whose reason :data:`ALLOWED_SKIP_REASON` does not match, lists them
+    in the terminal summary and turns a passing session into a failing one."""
+
+    def __init__(self) -> None:
+        self.refused: list[tuple[str, str]] = []
+
+    def _note(self, report) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):
+            reason = skip_reason(report)
+            if not ALLOWED_SKIP_REASON.match(reason):
+                self.refused.append((report.nodeid, reason))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._note(report)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        self._note(report)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.refused and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.refused:
+            return
+        terminalreporter.section("skips refused by FLOTILLA_FAIL_ON_SKIP=1", red=True, bold=True)
+        for nodeid, reason in self.refused:
+            terminalreporter.line(f"{nodeid}: {reason}")
+        terminalreporter.line(
+            f"{len(self.refused)} skipped for a reason that does not match {ALLOWED_SKIP_REASON.pattern}: "
+            "install what is missing, or make the test fail instead of skipping"
+        )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("FLOTILLA_FAIL_ON_SKIP") == "1":
+        config.pluginmanager.register(SkipGate(), "flotilla-skip-gate")

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)"
 )
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs Triton (not a CPU dependency; see the run line above)")
 
 SIZES = ((1, 1), (3, 7), (1, 4096), (2, 5000), (8, 40000))
 CASES = ("random", "chunk_ties", "all_neg_inf", "one_nan", "several_nans", "signed_zeros")

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="runs under Triton's interpreter only (TRITON_INTERPRET=1)"
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)"
 )
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="needs Triton (not a CPU dependency; see the run line above)")
 
 # MoE shapes: (hidden_size, inter, experts, top_k, local); float16, the 3.6 interpreter's
 # bf16 tl.dot multiplies raw bits. Qwen3-30B-A3B's H and I with fewer experts (16 column tiles

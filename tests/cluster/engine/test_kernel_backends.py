@@ -31,7 +31,7 @@ from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.kernels import registry
 from flotilla.kernels.attention import page_layout, step_layout
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
-from helpers.scenarios import scenario_files
+from helpers.scenarios import SCENARIO_DIR, scenario_files
 
 
 def everything(_module: str) -> bool:
@@ -181,8 +181,7 @@ def test_every_reference_scenario_maps_to_a_backend():
     """Each attention backend resolution produced in the reference scenarios maps (on CUDA in
     bf16) to flashinfer, or to torch on the CPU preset."""
     files = scenario_files()
-    if not files:
-        pytest.skip("the reference scenarios (../shared/resolution-scenarios) are not here")
+    assert files, f"no scenario files under {SCENARIO_DIR}; set FLOTILLA_SHARED"
     seen = 0
     for path in files:
         scenario = json.loads(path.read_text())
