@@ -49,7 +49,9 @@ Exit status 2, with the reason on stderr, for a bad flag or a rejected configura
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import shlex
@@ -437,11 +439,32 @@ def deploy(config, options, decode_config=None) -> str:
     app = build_app(config, options) if decode_config is None else build_pd_app(config, decode_config, options)
     # NOTE: HeadOnly: one proxy, on the node this URL names (the head, where jobs run).
     serve.start(http_options=http_options(config), proxy_location="HeadOnly")
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    with _quiet_reconnect_note():
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     scheme = "https" if serves_tls(config) else "http"
     url = f"{scheme}://{_client_host(config.host)}:{int(config.port)}"
     wait_until_healthy(url, READY_TIMEOUT_S)
     return url
+
+
+class _ReconnectNote(logging.Filter):
+    """Drops Serve's "Connecting to existing Serve app ... New http_options/controller_options
+    will not be applied." line, which ``serve.run`` logs right after our own ``serve.start``
+    applied them: it reads as if ``--port`` or TLS had been ignored."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "will not be applied" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_reconnect_note():
+    serve_logger = logging.getLogger("ray.serve")
+    note = _ReconnectNote()
+    serve_logger.addFilter(note)
+    try:
+        yield
+    finally:
+        serve_logger.removeFilter(note)
 
 
 def _client_host(host: str) -> str:
@@ -477,6 +500,7 @@ def ready_message(url: str, options, config, blocking: bool = True) -> str:
         "model": options.served_model_name,
         "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
         "max_tokens": 32,
+        "temperature": 0,  # NOTE: greedy: a newcomer's first answer reads well even from a tiny model
     }
     curl = "curl"
     if url.startswith("https:"):

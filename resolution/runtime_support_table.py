@@ -157,8 +157,9 @@ _MODEL = _table(
         values=("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"),
         refusal="flotilla's KV cache stores the model dtype, bfloat16 or float8 (fp8_e4m3, fp8_e5m2) only",
     ),
-    honored(
-        "--quantization fp8 names an FP8 checkpoint's own block-FP8 quantization, which the runtime loads",
+    refused(
+        "the runtime loads a checkpoint's own quantization_config (block FP8) and quantizes nothing itself; "
+        "--quantization fp8 is accepted for an FP8 checkpoint, as it only names what loads anyway",
         "quantization",
         accepts=_quantization,
     ),
@@ -230,7 +231,10 @@ _PARALLEL = _table(
     honored("decode context parallelism of MLA models (a slice of attention TP)", "dcp_size"),
     honored("how DCP partial attention is merged", "dcp_comm_backend", values=("ag_rs", "a2a")),
     honored("attention runs data-parallel (one scheduler and KV pool per DP rank), MoE over the whole group", "enable_dp_attention"),
-    honored("the bound on each collective of the worker groups (seconds)", "dist_timeout"),
+    honored(
+        "the bound on each collective of a worker group (seconds; a one-rank in-process engine has none)",
+        "dist_timeout",
+    ),
     honored("the largest EP size an elastic EP group grows to", "max_ep_size"),
     noop(
         "the LM head always shards its vocabulary over the attention-TP group under DP attention, as the flag asks",
@@ -313,10 +317,11 @@ _MOE = _table(
         "all-to-all dispatch/combine over torch.distributed (not the vendor library of that name)",
         "moe_a2a_backend",
     ),
-    honored(
-        "the MoE kernel family: auto and every GPU kernel name run flotilla's Triton fused MoE on CUDA; the torch "
-        "reference on CPU and in float32",
+    refused(
+        "flotilla's fused MoE runs Triton on CUDA and the torch reference on CPU and in float32, whatever the name; "
+        "other MoE kernels are not built: drop the flag or pass auto or triton",
         "moe_runner_backend",
+        values=("auto", "triton"),
     ),
     honored("redundant expert slots of the expert placement", "ep_num_redundant_experts"),
     honored(
@@ -471,7 +476,10 @@ _KERNELS = _table(
 )
 
 _SCHEDULE = _table(
-    honored("the fraction of accelerator memory for weights plus the KV cache pool", "mem_fraction_static"),
+    honored(
+        "the fraction of GPU memory for weights plus the KV cache pool (on CPU the pool is --max-total-tokens)",
+        "mem_fraction_static",
+    ),
     honored("the most requests running at once per engine (per DP rank)", "max_running_requests"),
     honored("the most requests an engine replica queues before answering 429", "max_queued_requests"),
     honored("the KV pool's token capacity", "max_total_tokens"),
@@ -501,11 +509,10 @@ _SCHEDULE = _table(
     honored("a host tier of the prefix cache: preempted requests' blocks go to host memory", "enable_hierarchical_cache"),
     honored("the host tier's size as a multiple of the device pool", "hicache_ratio"),
     honored("the host tier's size in GB (overrides --hicache-ratio)", "hicache_size"),
-    honored(
-        "the host tier is a cache",
+    refused(
+        "flotilla's host tier is a cache ('cache' mode) only; drop the flag",
         "hicache_host_memory_mode",
         values=("cache",),
-        refusal="flotilla's host tier is a cache ('cache' mode) only",
     ),
     noop("prefill chunks and decodes always share one step here, as the flag asks", "enable_mixed_chunk"),
     noop("there is no hybrid sliding-window memory pool here, so it is always off", "disable_hybrid_swa_memory"),
@@ -663,8 +670,9 @@ _DISAGGREGATION = _table(
         refusal="flotilla serve runs the prefill and decode pools itself: pass --disaggregation-mode pd to "
         "flotilla serve (a single-role server is not built)",
     ),
-    honored(
-        "NIXL moves the KV blocks between the PD pools (--kv-transport ray: the Ray-object fallback)",
+    refused(
+        "flotilla serve's --kv-transport picks how KV blocks move between the PD pools (nixl, or the ray fallback); "
+        "drop the flag or pass nixl",
         "disaggregation_transfer_backend",
         values=("nixl",),
     ),
@@ -712,7 +720,10 @@ _RAY_ASSIGNS_GPUS = "Ray assigns GPUs to ranks; use CUDA_VISIBLE_DEVICES or Ray'
 _RUNTIME = _table(
     honored("where the engines run", "device", values=(None, "cpu", "cuda"), refusal="flotilla runs on cpu or cuda"),
     honored("seeds the samplers of requests without their own seed", "random_seed"),
-    honored("the bound on each engine step's RPC to its ranks (seconds)", "watchdog_timeout"),
+    honored(
+        "the bound on each engine step's RPC to its ranks (seconds; a one-rank in-process engine makes none)",
+        "watchdog_timeout",
+    ),
     noop("the engine thread already blocks while it has no work", "sleep_on_idle"),
     noop("flotilla always runs its engines as Ray actors", "use_ray"),
     refused(_RAY_ASSIGNS_GPUS, "base_gpu_id", values=(0,)),
@@ -938,5 +949,9 @@ GUARDED: frozenset[str] = frozenset(
         "ep_join_mode",  # likewise
         "elastic_ep_initial_size",  # serve/elastic_ep.py sets it for joiners and reads the launch size
         "moe_dense_tp_size",  # serve/elastic_ep.py sets 1 for one-rank joiners (the attention-TP size)
+        "moe_runner_backend",  # cluster/engine/kernel_backends.py names it in the start-up report
+        "disaggregation_transfer_backend",  # serve/pd.py sets nixl for both pools and refuses others
+        "hicache_host_memory_mode",  # cluster/engine/host_kv_tier.py refuses modes other than cache
+        "quantization",  # no read: cluster/engine/kv_cache_dtype.py reads a checkpoint key of that name
     }
 )

@@ -38,7 +38,8 @@ from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from flotilla.cluster.log_level import apply_log_level
-from flotilla.cluster.models.sources import check_user_settings
+from flotilla.cluster.models.sources import check_user_settings, context_len_of, served_model_source
+from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 from flotilla.resolution import ArgumentError, ResolvedConfig, ServerArgs
 from flotilla.resolution.fields import FIELDS
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
@@ -191,23 +192,17 @@ class OpenAIIngress:
         configure_access_log()
         if config.log_requests:
             configure_request_log()
-        self._tokenizer = None if config.skip_tokenizer_init else ingress_tokenizer(config, options)
+        source = served_model_source(options.model, config)
+        self._max_model_len = context_len_of(config, source)
+        self._tokenizer = None if config.skip_tokenizer_init else load_tokenizer_or_none(source, config.tokenizer_path)[0]
 
     def __serve_build_asgi_app__(self):
         from flotilla.serve.ingress import create_app
 
         # NOTE: Serve's proxy echoes X-Request-Id itself.
-        return create_app(self._client, self._tokenizer, self._options, self._config, echo_request_id=False)
-
-
-def ingress_tokenizer(config: ResolvedConfig, options: ServeOptions) -> Any:
-    """The tokenizer the ingress templates and tokenizes with (the engine replicas load
-    the same one); None, with a warning, when the model has none (token-id prompts only)."""
-    from flotilla.cluster.models.sources import served_model_source
-    from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
-
-    source = served_model_source(options.model, config)
-    return load_tokenizer_or_none(source, config.tokenizer_path)[0]
+        return create_app(
+            self._client, self._tokenizer, self._options, self._config, echo_request_id=False, max_model_len=self._max_model_len
+        )
 
 
 # -- the application -----------------------------------------------------------------------

@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import uuid
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from flotilla.serve.types import EngineOverloadedError, EngineUnavailableError, GenerateChunk
+
+logger = logging.getLogger(__name__)
 
 
 def call(method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -63,7 +66,10 @@ def engine_error(exc: BaseException) -> BaseException:
     if isinstance(exc, BackPressureError):
         return EngineOverloadedError(f"every engine replica is busy ({exc})", retry_after_s=1)
     if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError, DeploymentUnavailableError)):
-        return EngineUnavailableError(f"the engine replica is unavailable: {exc}")
+        # NOTE: Ray's message names the actor, its pid, node address and namespace: the log
+        # keeps them; the client gets a plain reason.
+        logger.warning("an engine replica call failed: %s: %s", type(exc).__name__, exc)
+        return EngineUnavailableError("the engine replica serving this request stopped; retry the request")
     return exc
 
 

@@ -42,9 +42,11 @@ access log to stderr, which Serve collects.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -59,7 +61,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from flotilla.serve.elastic_ep import NEW_EP_SIZE, NEW_EP_SIZE_ALIAS, ElasticScaleError, not_elastic_message
 from flotilla.serve.metrics import merge_expositions
-from flotilla.serve.prompts import load_chat_template, normalize_prompts, prefix_block_size, prefix_key, render_chat
+from flotilla.cluster.models.tokenizer import load_chat_template
+from flotilla.serve.prompts import normalize_prompts, prefix_block_size, prefix_key, render_chat
 from flotilla.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -85,16 +88,27 @@ from flotilla.serve.types import EngineClient, EngineUnavailableError, GenerateR
 logger = logging.getLogger(__name__)
 access_log = logging.getLogger("flotilla.serve.access")
 
+# The status the access log and flotilla:http_requests_total give a request whose client closed
+# the connection before any answer (nginx's 499; no response is sent).
+CLIENT_CLOSED = 499
 # Routes that change or inspect the deployment itself: with --admin-api-key they need that key
 # (the user --api-key does not open them); without it they need --api-key like every route.
 ADMIN_ROUTES = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", *ADMIN_ROUTES)
+# Route labels of paths with a parameter (one label each, so a client cannot mint series).
+_ROUTE_PREFIXES = (("/v1/models/", "/v1/models/{id}"),)
 # Logged at DEBUG: probes, scrapes and scale polls are frequent.
 _QUIET_ROUTES = ("/health", "/metrics", "/is_scaling_elastic_ep")
 
 
 def create_app(
-    engine: EngineClient, tokenizer: Any, options: ServeOptions, config: Any, *, echo_request_id: bool = True
+    engine: EngineClient,
+    tokenizer: Any,
+    options: ServeOptions,
+    config: Any,
+    *,
+    echo_request_id: bool = True,
+    max_model_len: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over ``engine``.
 
@@ -104,8 +118,10 @@ def create_app(
         options: serving options (served model name, API key, body limit).
         config: the ResolvedConfig (chat template, page size, context length, api key).
         echo_request_id: add ``X-Request-Id`` to responses (off under Serve, whose proxy adds it).
+        max_model_len: the longest sequence the engines take, for ``/v1/models`` (default: the
+            config's ``context_length``).
     """
-    ingress = _Ingress(engine, tokenizer, options, config)
+    ingress = _Ingress(engine, tokenizer, options, config, max_model_len)
     app = FastAPI(title="flotilla", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Observer, ingress=ingress, echo_request_id=echo_request_id)
 
@@ -121,6 +137,10 @@ def create_app(
     async def models() -> Response:
         return JSONResponse(await ingress.models())
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await ingress.handle(request, lambda _: ingress.model(model_id))
+
     @app.post("/scale_elastic_ep")
     async def scale_elastic_ep(request: Request) -> Response:
         return await ingress.handle(request, ingress.scale_elastic_ep)
@@ -129,7 +149,7 @@ def create_app(
     async def is_scaling_elastic_ep(request: Request) -> Response:
         return await ingress.handle(request, ingress.is_scaling_elastic_ep)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return await ingress.health()
 
@@ -164,8 +184,60 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
 
 
+# The deepest nesting of arrays and objects a body may have (checked before parsing: a deep
+# body would exhaust the parser's recursion); OpenAI bodies, JSON schemas included, stay far below.
+MAX_JSON_DEPTH = 128
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(raw: bytes, stop_above: int = MAX_JSON_DEPTH) -> int:
+    """The deepest nesting of arrays and objects in ``raw`` (brackets inside strings do not
+    count), counted until it exceeds ``stop_above``.
+
+    NOTE: each pass deletes every innermost ``[]``/``{}`` pair in C (a byte loop in Python
+    takes most of a second on a 1 MB body); the passes needed are the depth. A run of openers
+    longer than ``stop_above`` (how deep bodies mostly look) is caught in one search first."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if re.search(rb"[\[{]{%d}" % (stop_above + 1), brackets):
+        return stop_above + 1  # NOTE: that many openers in a row: deeper than allowed
+    depth = 0
+    while brackets and depth <= stop_above:
+        inner = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if len(inner) == len(brackets):
+            break  # NOTE: unbalanced: the parser reports it
+        brackets, depth = inner, depth + 1
+    return depth
+
+
+def unencodable_string(body: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``body`` that is not valid
+    Unicode (an unpaired UTF-16 surrogate such as ``"\\ud800"``, which JSON can spell but no
+    tokenizer takes), or None."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return "body"
+
+
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON; 413 beyond ``limit`` bytes, counted as they arrive."""
+    """The request body as JSON; 413 beyond ``limit`` bytes, counted as they arrive; 400 for
+    a body nested deeper than :data:`MAX_JSON_DEPTH` or holding a string that is not valid
+    Unicode (naming where)."""
     too_large = APIError(
         413,
         f"the request body is larger than this server's limit of {limit} bytes; send a smaller request",
@@ -185,10 +257,21 @@ async def read_json(request: Request, limit: int) -> Any:
         raise bad_request("the client disconnected while sending the body") from None
     if not size:
         raise bad_request("the request body is empty; send a JSON object")
+    raw = b"".join(parts)
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise bad_request(
+            f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep; send a flatter body"
+        )
     try:
-        return json.loads(b"".join(parts))
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    where = unencodable_string(body)
+    if where is not None:
+        param = where.split(".")[0].split("[")[0]
+        raise bad_request(f"{where} holds an unpaired UTF-16 surrogate (not valid Unicode); send valid UTF-8 text", param)
+    return body
 
 
 def admin_error(exc: BaseException) -> APIError:
@@ -212,8 +295,9 @@ def admin_error(exc: BaseException) -> APIError:
 class _Ingress:
     """The app's state and request handlers (what :func:`create_app` closes over)."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, options: ServeOptions, config: Any):
+    def __init__(self, engine: EngineClient, tokenizer: Any, options: ServeOptions, config: Any, max_model_len: int | None):
         self.engine, self.tokenizer, self.options, self.config = engine, tokenizer, options, config
+        self.max_model_len = max_model_len if max_model_len is not None else getattr(config, "context_length", None)
         self.served_model = options.served_model_name
         self.api_key = options.api_key or getattr(config, "api_key", None)
         self.admin_api_key = getattr(config, "admin_api_key", None) or None
@@ -238,10 +322,17 @@ class _Ingress:
     # -- small routes ------------------------------------------------------------------------
 
     def model_list(self) -> ModelList:
-        root = self.options.model or getattr(self.config, "model_path", None)
-        max_len = getattr(self.config, "context_length", None)
-        card = ModelCard(id=self.served_model, root=str(root) if root else None, max_model_len=max_len)
+        # NOTE: root is the --model value as given (the embedded model: its name), never a
+        # resolved path of this machine's file system.
+        root = self.options.model or self.served_model
+        card = ModelCard(id=self.served_model, root=str(root), max_model_len=self.max_model_len)
         return ModelList(data=[card])
+
+    async def model(self, model_id: str) -> Response:
+        """``GET /v1/models/{id}``: the served model's card (the openai client's
+        ``models.retrieve``); 404 for any other id."""
+        self._check_model(model_id)
+        return JSONResponse((await self.models())["data"][0])
 
     async def models(self) -> dict[str, Any]:
         """``GET /v1/models``: the model list; an elastic deployment's card also has
@@ -446,11 +537,12 @@ class _Observer:
         state = scope.setdefault("state", {})
         state.update(request_id=request_id, arrival_time=time.time())
         status = 500  # NOTE: what an exception before the response start amounts to
+        started = False
 
         async def send_observed(message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 if self.echo_request_id:
                     message.setdefault("headers", [])
                     MutableHeaders(scope=message).append("x-request-id", request_id)
@@ -464,6 +556,10 @@ class _Observer:
                 await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send_observed)
             else:
                 await self.app(scope, receive, send_observed)
+        except (asyncio.CancelledError, ClientDisconnect):
+            if not started:
+                status = CLIENT_CLOSED  # NOTE: the client left before any answer: not a server error
+            raise
         finally:
             self._observe(scope, path, status, time.perf_counter() - start, state)
 
@@ -478,7 +574,7 @@ class _Observer:
         return self.ingress.api_key or None, "API key"
 
     def _observe(self, scope, path: str, status: int, latency: float, state: dict) -> None:
-        route = path if path in _ROUTES else "other"
+        route = path if path in _ROUTES else next((label for prefix, label in _ROUTE_PREFIXES if path.startswith(prefix)), "other")
         method = scope.get("method", "")
         self.ingress.http_requests.labels(method, route, str(status)).inc()
         self.ingress.http_latency.labels(method, route).observe(latency)

@@ -8,7 +8,6 @@ the parameter, so a bad prompt never reaches an engine replica.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -26,22 +25,6 @@ class Prompt:
 
     token_ids: list[int]
     text: str | None = None
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a path to a Jinja file, or the template text itself (None: the tokenizer's).
-    ValueError naming the flag for anything else (named built-in templates are not shipped)."""
-    if not value:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(
-        f"chat_template {value!r} is neither a file nor Jinja template text; give a path to a "
-        f".jinja file or the template itself"
-    )
 
 
 def render_chat(

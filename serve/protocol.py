@@ -26,6 +26,7 @@ from flotilla.cluster.engine.sampling_params import SamplingParams
 MAX_N = 128
 MAX_LOGPROBS = 20
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT32_MAX = (1 << 31) - 1
 # Characters of an offending value quoted back in an error message.
 _MAX_QUOTED = 120
 
@@ -177,9 +178,9 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extra knobs (vLLM / SGLang spelling).
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=_INT32_MAX)  # NOTE: the engine clamps to the vocabulary
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # NOTE: SGLang's bound
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     stop_token_ids: list[int] | None = None
@@ -189,7 +190,7 @@ class _SamplingRequest(_Strict):
     # None: true when the server has no tokenizer (skip_tokenizer_init: the text is empty).
     return_token_ids: bool | None = None
     # vLLM's and SGLang's scheduling priority (--enable-priority-scheduling decides what it means).
-    priority: int | None = Field(None, gt=-(1 << 31), lt=1 << 31)
+    priority: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)
 
     @property
     def include_usage(self) -> bool:

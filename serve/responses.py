@@ -389,7 +389,7 @@ async def chat_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterat
         if job.include_usage:
             yield frame([], job.total_usage())
     except Exception as exc:  # noqa: BLE001 - after the 200 went out, errors travel as a frame
-        yield sse(_stream_error(exc, streams.prompt_param))
+        yield sse(_stream_error(exc, streams.prompt_param, job.response_id))
     finally:
         await streams.close()
     yield SSE_DONE
@@ -432,16 +432,20 @@ async def completion_frames(job: GenerationJob, streams: EngineStreams) -> Async
         if job.include_usage:
             yield frame([], job.total_usage())
     except Exception as exc:  # noqa: BLE001 - after the 200 went out, errors travel as a frame
-        yield sse(_stream_error(exc, streams.prompt_param))
+        yield sse(_stream_error(exc, streams.prompt_param, job.response_id))
     finally:
         await streams.close()
     yield SSE_DONE
 
 
-def _stream_error(exc: Exception, prompt_param: str) -> dict[str, Any]:
+def _stream_error(exc: Exception, prompt_param: str, response_id: str) -> dict[str, Any]:
+    """The error frame of a stream that failed after its first chunk: the envelope, its
+    message ending with the response id (what the client quotes to the operator)."""
     err = engine_error(exc, prompt_param)
-    logger.warning("stream failed after its first chunk: %s", err.message)
-    return err.envelope()
+    logger.warning("stream %s failed after its first chunk: %s", response_id, err.message)
+    envelope = err.envelope()
+    envelope["error"]["message"] = f"{err.message} (response {response_id})"
+    return envelope
 
 
 # -- logprobs in OpenAI's shapes ----------------------------------------------------------------

@@ -25,7 +25,8 @@ from flotilla.cluster.engine.outputs import RequestOutput
 from flotilla.cluster.engine.sampling_params import SamplingParams, as_param_list
 from flotilla.cluster.models.sources import ModelSource, resolve_model_source
 from flotilla.cluster.platform import probe_for_workers
-from flotilla.resolution import ModelFacts, PlatformFacts, ServerArgs, resolve
+from flotilla.cluster.models.tokenizer import load_chat_template
+from flotilla.resolution import ArgumentError, ModelFacts, PlatformFacts, ServerArgs, resolve
 from flotilla.resolution.runtime_support import check_runtime_support
 
 
@@ -56,6 +57,12 @@ class LLM:
         check_runtime_support(server_flags, facts)
         args = ServerArgs.create(model_path=str(self.source.path), **server_flags)
         self.config = resolve(args, facts, platform or probe_for_workers())
+        if int(self.config.dp_size or 1) > 1 and not self.config.enable_dp_attention:
+            raise ArgumentError(
+                f"--dp-size {self.config.dp_size} without --enable-dp-attention means that many engine replicas, "
+                "which flotilla serve runs; LLM(...) is one engine: drop dp_size, or pass enable_dp_attention=True "
+                "for DP-attention ranks inside it"
+            )
         apply_log_level(self.config)
         self._tokenizer_error: str | None = None
         self.tokenizer = None
@@ -106,14 +113,18 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` messages) or to
-        several (a list of such lists), through the tokenizer's chat template."""
+        several (a list of such lists), through the chat template: ``chat_template`` when
+        given, else the server flag ``chat_template``, else the tokenizer's; with the
+        ``default_chat_template_kwargs`` flag's arguments."""
         tokenizer = self._require_tokenizer("messages")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if not conversations or any(not c for c in conversations):
             raise ValueError("messages: give at least one message per conversation")
+        template = chat_template if chat_template is not None else load_chat_template(self.config.chat_template)
+        kwargs = dict(self.config.default_chat_template_kwargs or {})
         texts = [
             tokenizer.apply_chat_template(
-                list(c), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                list(c), tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template, **kwargs
             )
             for c in conversations
         ]

@@ -41,8 +41,8 @@ from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.engine.schedule_policy import PriorityPolicy
 from flotilla.cluster.engine.scheduler import SchedulerConfig
-from flotilla.cluster.models.sources import ModelSource
-from flotilla.resolution import ModelFacts, ResolvedConfig
+from flotilla.cluster.models.sources import ModelSource, context_len_of
+from flotilla.resolution import ResolvedConfig
 
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
@@ -154,7 +154,7 @@ class LLMEngine:
         # NOTE: a DPScheduler (one scheduler per DP-attention rank) under DP attention.
         self.scheduler = build_scheduler(config, scheduler_config_for(config, self.runner.kv_layout))
         self.vocab_size = self.runner.vocab_size
-        self.context_len = int(config.context_length or ModelFacts.from_hf_config(source.config_dict).context_len or 2048)
+        self.context_len = context_len_of(config, source)
         self.eos_token_ids = _eos_ids(source.config_dict, tokenizer)
         self._parents: dict[str, _Parent] = {}
         self._sequences: dict[str, _Sequence] = {}

@@ -94,6 +94,12 @@ def served_model_source(model: str | None, config: Any) -> ModelSource:
     return resolve_model_source(config.model_path)
 
 
+def context_len_of(config: Any, source: ModelSource) -> int:
+    """The longest sequence (prompt + output) the engines take: ``--context-length``, else the
+    model's own (its config's position range), else 2048."""
+    return int(getattr(config, "context_length", None) or ModelFacts.from_hf_config(source.config_dict).context_len or 2048)
+
+
 def check_user_settings(given: Mapping[str, Any]) -> None:
     """Refuse, before anything starts, every server field the user set that the runtime
     would not act on (:mod:`flotilla.resolution.runtime_support`): raises

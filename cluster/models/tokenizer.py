@@ -9,6 +9,7 @@ downloaded.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +48,19 @@ def load_tokenizer_or_none(source: ModelSource, tokenizer_path: str | None = Non
     except ValueError as exc:
         logger.warning("no tokenizer, token-id prompts only: %s", exc)
         return None, str(exc)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a Jinja file, or the template text itself (None: the tokenizer's).
+    ValueError naming the flag for anything else (named built-in templates are not shipped)."""
+    if not value:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"chat_template {value!r} is neither a file nor Jinja template text; give a path to a "
+        f".jinja file or the template itself"
+    )

@@ -7,6 +7,14 @@ exists. A change that flips a field to ``honored`` adds its test here in the sam
 """
 
 EVIDENCE: dict[str, tuple[str, ...]] = {
+    "abort_on_priority_when_disabled": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_priority_flags",
+    ),
+    "admin_api_key": (
+        "tests/deploy/test_serve_tls_live.py::test_admin_route_needs_the_admin_key",
+        "tests/serve/test_ingress_keys.py::test_admin_routes_need_the_admin_key_and_not_the_user_key",
+        "tests/serve/test_ingress_keys.py::test_the_admin_key_alone_guards_only_the_admin_routes",
+    ),
     "api_key": (
         "tests/serve/test_field_effects.py::test_api_key_makes_every_route_but_health_need_the_key",
         "tests/serve/test_ingress.py::test_api_key_health_and_metrics",
@@ -16,6 +24,7 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/cluster/engine/test_kernel_backends.py::test_torch_attention_names_run_the_reference_on_cuda",
     ),
     "chat_template": (
+        "tests/cluster/engine/test_llm_flags.py::test_chat_renders_with_the_chat_template_flag_and_its_default_kwargs",
         "tests/serve/test_field_effects.py::test_chat_template_is_the_template_the_ingress_renders_chats_with",
     ),
     "chunked_prefill_size": (
@@ -48,7 +57,11 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/cluster/engine/test_kernel_backends.py::test_split_prefill_decode_fields_map_to_one_backend",
     ),
     "default_chat_template_kwargs": (
+        "tests/cluster/engine/test_llm_flags.py::test_chat_renders_with_the_chat_template_flag_and_its_default_kwargs",
         "tests/serve/test_field_effects.py::test_default_chat_template_kwargs_are_what_every_request_starts_from",
+    ),
+    "default_priority_value": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_priority_flags",
     ),
     "device": (
         "tests/cluster/engine/test_field_effects.py::test_device_cpu_runs_an_engine_resolved_for_a_gpu_platform_on_the_cpu",
@@ -65,6 +78,10 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "disable_overlap_schedule": (
         "tests/cluster/engine/test_field_effects.py::test_disable_overlap_schedule_turns_overlap_scheduling_off",
         "tests/gpu/test_overlap_cuda.py::test_overlap_matches_the_serial_engine_in_bf16_with_graphs",
+    ),
+    "disable_priority_preemption": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_priority_preemption_flags",
+        "tests/cluster/engine/test_schedule_policy.py::test_no_preemption_when_disabled_or_the_gap_is_within_the_threshold",
     ),
     "disable_radix_cache": (
         "tests/cluster/engine/test_field_effects.py::test_disable_radix_cache_serves_a_repeated_prompt_without_cached_tokens",
@@ -105,6 +122,10 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/cluster/engine/test_host_kv_tier.py::test_engine_with_a_host_tier_preempts_loads_and_still_equals_hf",
         "tests/cluster/engine/test_llm_tp.py::test_tp2_host_tier_loads_preempted_blocks_on_every_rank_and_matches_tp1",
     ),
+    "enable_priority_scheduling": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_priority_flags",
+        "tests/cluster/engine/test_schedule_policy.py::test_priority_levels_come_first_and_fcfs_orders_each_level",
+    ),
     "ep_num_redundant_experts": (
         "tests/cluster/engine/test_llm_ep.py::test_tp2_ep2_greedy_matches_single_rank",
         "tests/cluster/models/test_expert_parallel.py::test_ep2_with_redundant_experts_matches_single_rank",
@@ -136,6 +157,21 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "load_format": (
         "tests/cluster/engine/test_field_effects.py::test_load_format_dummy_serves_a_checkpoint_without_weights",
         "tests/cluster/models/test_dummy_weights.py::test_dummy_weights_are_deterministic_and_shaped_like_the_checkpoint",
+    ),
+    "log_level": (
+        "tests/serve/test_request_log.py::test_log_level_sets_flotillas_loggers",
+    ),
+    "log_requests": (
+        "tests/serve/test_request_log.py::test_no_request_log_without_the_flag",
+        "tests/serve/test_request_log.py::test_json_lines_hold_what_each_level_asks",
+    ),
+    "log_requests_format": (
+        "tests/serve/test_request_log.py::test_text_lines_are_key_value_pairs",
+        "tests/serve/test_request_log.py::test_json_lines_hold_what_each_level_asks",
+    ),
+    "log_requests_level": (
+        "tests/serve/test_request_log.py::test_json_lines_hold_what_each_level_asks",
+        "tests/serve/test_request_log.py::test_level_two_cuts_long_text_and_level_three_keeps_it",
     ),
     "max_ep_size": (
         "tests/cluster/engine/test_elastic_join.py::test_growth_beyond_max_ep_size_is_refused",
@@ -180,16 +216,33 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/cluster/engine/test_field_effects.py::test_split_attention_backend_fields_choose_the_attention_kernels",
         "tests/cluster/engine/test_kernel_backends.py::test_split_prefill_decode_fields_map_to_one_backend",
     ),
-    "quantization": (
-        "tests/cluster/models/test_field_effects.py::test_quantization_fp8_serves_a_block_fp8_checkpoint_and_is_refused_for_another",
-        "tests/resolution/test_runtime_support.py::test_quantization_fp8_is_taken_only_for_an_fp8_checkpoint",
+    "prefill_max_requests": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_schedule_policy_and_prefill_max_requests",
+        "tests/cluster/engine/test_schedule_policy.py::test_prefill_max_requests_caps_admissions_per_step",
+    ),
+    "priority_scheduling_preemption_threshold": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_priority_preemption_flags",
+        "tests/cluster/engine/test_schedule_policy.py::test_a_more_urgent_arrival_preempts_the_least_urgent_running_request",
     ),
     "random_seed": (
         "tests/cluster/engine/test_field_effects.py::test_random_seed_seeds_requests_without_their_own_seed",
     ),
+    "revision": (
+        "tests/cluster/models/test_revision.py::test_revision_picks_the_snapshot",
+        "tests/cluster/models/test_revision.py::test_llm_loads_the_revision",
+    ),
     "sampling_backend": (
         "tests/cluster/engine/test_kernel_backends.py::test_sampling_pytorch_and_dense_models_keep_torch",
         "tests/gpu/test_flashinfer_ops.py::test_sampler_flashinfer_backend_greedy_seeded_and_unseeded_rows",
+    ),
+    "schedule_low_priority_values_first": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_priority_flags",
+    ),
+    "schedule_policy": (
+        "tests/cluster/engine/test_schedule_policy.py::test_engine_schedule_policy_and_prefill_max_requests",
+        "tests/cluster/engine/test_schedule_policy.py::test_lpm_admits_the_longest_cached_prefix_first",
+        "tests/cluster/engine/test_schedule_policy.py::test_dfs_weight_runs_the_branch_with_most_waiting_requests_first",
+        "tests/cluster/engine/test_schedule_policy.py::test_lof_admits_the_longest_output_budget_first",
     ),
     "served_model_name": (
         "tests/serve/test_field_effects.py::test_served_model_name_is_the_name_models_reports_and_requests_must_use",
@@ -197,6 +250,17 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "skip_tokenizer_init": (
         "tests/cluster/engine/test_field_effects.py::test_skip_tokenizer_init_loads_no_tokenizer",
         "tests/serve/test_token_ids.py::test_tokenless_server_sends_token_ids_by_default",
+    ),
+    "ssl_certfile": (
+        "tests/deploy/test_serve_tls_live.py::test_the_openai_client_gets_answers_over_https",
+        "tests/deploy/test_serve_tls_live.py::test_the_port_refuses_plain_http",
+    ),
+    "ssl_keyfile": (
+        "tests/deploy/test_serve_tls_live.py::test_the_openai_client_gets_answers_over_https",
+        "tests/deploy/test_serve_tls_live.py::test_the_port_refuses_plain_http",
+    ),
+    "ssl_keyfile_password": (
+        "tests/deploy/test_serve_tls_options.py::test_an_encrypted_key_reaches_serve_with_its_password",
     ),
     "stream_interval": (
         "tests/serve/test_async_engine.py::test_stream_interval_batches_tokens_but_sends_the_first_at_once",
