@@ -71,6 +71,7 @@ from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, 
 from flotilla.resolution.fields import FIELDS
 from flotilla.resolution.runtime_support import UnsupportedSettingsError, noop_notice
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
+from flotilla.serve.loopback import use_loopback_only
 from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions
 
 # How long to wait for /health to answer 200 after the application reports running.
@@ -311,10 +312,9 @@ def run_serve(argv: Sequence[str]) -> int:
     for note in opts.config_file.notes if opts.config_file is not None else ():
         print(f"flotilla serve: note: {note}", file=sys.stderr)
     if not joining:
-        # NOTE: Ray reads this when it is imported (below): without it Ray 2.60 binds the
-        # non-loopback interface even for a local cluster.
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # NOTE: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported (below): a local
+        # cluster's processes, NIXL's UCX listeners and gloo stay on loopback (LOOPBACK_ENV).
+        use_loopback_only()
     from flotilla.serve.app import ensure_ray
 
     try:

@@ -45,6 +45,7 @@ from flotilla.resolution.fields import FIELDS
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.handles import call, stream_chunks
 from flotilla.serve.ingress import configure_access_log
+from flotilla.serve.loopback import use_loopback_only
 from flotilla.serve.request_log import configure_request_log
 from flotilla.serve.router import router_class_path
 from flotilla.serve.types import (
@@ -483,11 +484,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
     if address:
         ray.init(address=address)
         return False
-    # NOTE: without this Ray 2.60 binds the non-loopback interface. Ray reads it when it
-    # is imported, so callers that want loopback set it before that (flotilla serve does;
-    # for `serve run`, export it); setting it here covers the processes Ray starts.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # NOTE: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported, so callers that
+    # want loopback set it before that (flotilla serve does; for `serve run`, export it);
+    # setting it here covers the processes Ray starts.
+    use_loopback_only()
     # NOTE: address="local": a new cluster even when `ray start` runs one on this machine
     # (plain ray.init() would attach to it and then refuse num_cpus); join one with address.
     ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False)
