@@ -31,7 +31,8 @@ from torch import nn
 
 from flotilla.cluster.models.base import KVCacheSpec, ModelConfig, ParallelLayout
 from flotilla.cluster.models.layers import ColumnParallelLinear, RowParallelLinear
-from flotilla.cluster.models.moe_layer import FusedMoE, MoERouter
+from flotilla.cluster.models.fp8_moe import routed_experts
+from flotilla.cluster.models.moe_layer import MoERouter
 from flotilla.cluster.models.moe_models import (
     DecoderLayer,
     DecoderOnlyLM,
@@ -236,9 +237,19 @@ class MLAttention(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Routed experts plus ``n_shared_experts`` shared ones (one MLP of
-    ``n_shared_experts * moe_intermediate_size``)."""
+    ``n_shared_experts * moe_intermediate_size``). ``prefix`` is the checkpoint module
+    (``model.layers.3.mlp``) whose routed and shared experts may be block FP8 (the router stays
+    in float32); None: never FP8. Also GLM-4.x's MoE block (the same routing)."""
 
-    def __init__(self, cfg: ModelConfig, scoring: str, correction_bias: bool, grouped: bool, layer_index: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        scoring: str,
+        correction_bias: bool,
+        grouped: bool,
+        layer_index: int,
+        prefix: str | None = None,
+    ):
         super().__init__()
         hidden, num_experts = cfg.get("hidden_size"), cfg.get("n_routed_experts")
         inter = cfg.get("moe_intermediate_size")
@@ -246,7 +257,9 @@ class DeepseekMoE(nn.Module):
         self.gate = MoERouter(
             hidden, num_experts, with_correction_bias=correction_bias, float32_logits=True, dtype=cfg.dtype
         )
-        self.experts = FusedMoE(
+        self.experts = routed_experts(
+            cfg,
+            None if prefix is None else f"{prefix}.experts",
             num_experts,
             top_k,
             hidden,
@@ -265,7 +278,8 @@ class DeepseekMoE(nn.Module):
             backend=cfg.moe_backend,
         )
         shared = cfg.get("n_shared_experts", 0)
-        self.shared_experts = GatedMLP(cfg, hidden, inter * shared) if shared else None
+        shared_prefix = None if prefix is None else f"{prefix}.shared_experts"
+        self.shared_experts = GatedMLP(cfg, hidden, inter * shared, prefix=shared_prefix) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)

@@ -167,7 +167,9 @@ class GQAttention(nn.Module):
     When :func:`~flotilla.cluster.models.llama.fused_qkv_prepare` gives the fused op (flashinfer
     attention and elementwise ops), q/k norm, RoPE and the KV-cache write run as that one op and
     attention is called with ``k=v=None`` (already cached). ``prefix`` is the checkpoint module
-    (``model.layers.0.self_attn``) whose projections may be block FP8; None: never FP8."""
+    (``model.layers.0.self_attn``) whose projections may be block FP8; None: never FP8.
+    ``o_bias``: whether ``o_proj`` has a bias (None: as q/k/v, ``attention_bias``; GLM-4.5 biases
+    q/k/v only). The rotary table may rotate fewer dims than a head (partial rotary, GLM-4.x)."""
 
     def __init__(
         self,
@@ -176,6 +178,7 @@ class GQAttention(nn.Module):
         qk_norm: bool,
         sliding_window: int | None,
         prefix: str | None = None,
+        o_bias: bool | None = None,
     ):
         super().__init__()
         hidden = cfg.get("hidden_size")
@@ -195,7 +198,8 @@ class GQAttention(nn.Module):
         linears, parallel, dtype = ParallelLinears.of(cfg), cfg.parallel, cfg.dtype
         self.qkv_proj = linears.merged(prefix, ("q_proj", "k_proj", "v_proj"), hidden, sizes, bias, parallel, dtype)
         o_name = None if prefix is None else f"{prefix}.o_proj"
-        self.o_proj = linears.row(o_name, num_heads * d, hidden, bias, parallel, dtype)
+        o_bias = bias if o_bias is None else o_bias
+        self.o_proj = linears.row(o_name, num_heads * d, hidden, o_bias, parallel, dtype)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(d, eps, cfg.dtype, cfg.elementwise_backend) if qk_norm else None
         self.k_norm = RMSNorm(d, eps, cfg.dtype, cfg.elementwise_backend) if qk_norm else None

@@ -11,6 +11,7 @@ import importlib
 _DENSE = "flotilla.cluster.models.llama"
 _MOE = "flotilla.cluster.models.moe_models"
 _DEEPSEEK = "flotilla.cluster.models.deepseek"
+_GLM4_MOE = "flotilla.cluster.models.glm4_moe"
 
 # architecture -> (module, class name)
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -22,6 +23,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": (_DEEPSEEK, "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": (_DEEPSEEK, "DeepseekV3ForCausalLM"),
+    "Glm4MoeForCausalLM": (_GLM4_MOE, "Glm4MoeForCausalLM"),
 }
 
 
