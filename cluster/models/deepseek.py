@@ -31,6 +31,7 @@ from torch import nn
 
 from flotilla.cluster.models.base import KVCacheSpec, ModelConfig, ParallelLayout
 from flotilla.cluster.models.layers import ColumnParallelLinear, RowParallelLinear
+from flotilla.cluster.models.fp8_linear import ParallelLinears
 from flotilla.cluster.models.fp8_moe import routed_experts
 from flotilla.cluster.models.moe_layer import MoERouter
 from flotilla.cluster.models.moe_models import (
@@ -134,7 +135,7 @@ class MLAttention(nn.Module):
     # The engine may shard this layer's cache by token over DCP ranks (ModelRunner checks it).
     supports_dcp = True
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, prefix: str | None = None):
         super().__init__()
         hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
         tp = cfg.parallel
@@ -175,7 +176,8 @@ class MLAttention(nn.Module):
         self.w_vc = nn.Parameter(w_vc, requires_grad=False)
         self.w_kc.weight_loader = self._load_kv_b  # type: ignore[attr-defined]
         self.w_vc.weight_loader = self._load_kv_b  # type: ignore[attr-defined]
-        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias, parallel=tp, dtype=dtype)
+        o_name = None if prefix is None else f"{prefix}.o_proj"
+        self.o_proj = ParallelLinears.of(cfg).row(o_name, heads * self.v_dim, hidden, bias, tp, dtype)
         self.rotary = rotary
         self.scale = mla_softmax_scale(cfg)
         self._attend = registry.get("mla_attention", cfg.attention_backend)
@@ -289,9 +291,15 @@ class DeepseekMoE(nn.Module):
 
 
 class _DeepseekForCausalLM(DecoderOnlyLM):
-    """The shared V2/V3 decoder; subclasses choose the rope layout and the routing."""
+    """The shared V2/V3 decoder; subclasses choose the rope layout and the routing.
+
+    Loads block-FP8 checkpoints (DeepSeek-V3/R1 as published): ``o_proj``, the dense MLPs and the
+    shared and routed experts run as FP8 layers; MLA's other projections are dequantized at load
+    (:mod:`~flotilla.cluster.models.fp8_dequant`; ``kv_b_proj`` must be, for the absorbed
+    ``w_kc`` / ``w_vc``)."""
 
     stacked_params = MLP_STACKED_PARAMS
+    loads_block_fp8 = True
 
     def __init__(self, cfg: ModelConfig, is_neox: bool, scoring: str, correction_bias: bool, grouped: bool):
         super().__init__(cfg)
@@ -304,11 +312,12 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
         freq = cfg.get("moe_layer_freq", 1)
         self.num_layers = cfg.get("num_hidden_layers")
         for i in range(self.num_layers):
+            prefix = f"model.layers.{i}"
             if cfg.get("n_routed_experts") is not None and i >= first_dense and i % freq == 0:
-                mlp: nn.Module = DeepseekMoE(cfg, scoring, correction_bias, grouped, layer_index=i)
+                mlp: nn.Module = DeepseekMoE(cfg, scoring, correction_bias, grouped, layer_index=i, prefix=f"{prefix}.mlp")
             else:
-                mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"))
-            self.layers.append(DecoderLayer(cfg, MLAttention(cfg, rotary), mlp))
+                mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"), prefix=f"{prefix}.mlp")
+            self.layers.append(DecoderLayer(cfg, MLAttention(cfg, rotary, prefix=f"{prefix}.self_attn"), mlp))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         width = self.config.get("kv_lora_rank") + self.config.get("qk_rope_head_dim")

@@ -17,8 +17,10 @@ norms and MoE routers stay in the model dtype whatever the section says.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 FP8_BLOCK = 128  # rows and columns of one scale block (the only weight_block_size the kernels take)
@@ -119,3 +121,34 @@ class BlockFp8Config:
         ``model.layers.0.mlp.down_proj.weight``) of ``shape`` is stored as FP8 in this
         checkpoint (for writing random FP8 weights; see ``dummy_weights``)."""
         return name.endswith(".weight") and len(shape) == 2 and self.quantizes(name.removesuffix(".weight"))
+
+
+def refuse_unloadable_quantization(hf: Mapping[str, Any], model_dir: str | Path | None = None) -> None:
+    """ValueError for a checkpoint quantized in a format flotilla does not load: anything but
+    block FP8 (:class:`BlockFp8Config`). A ModelOpt checkpoint (``quant_method: modelopt``, a
+    ``quant_algo`` in ``quantization_config``, or ModelOpt's ``hf_quant_config.json`` beside
+    config.json) is named by its ``quant_algo`` (``NVFP4``, ``FP8``, ``MIXED_PRECISION``, ...);
+    others by their ``quant_method``."""
+    section = hf.get("quantization_config")
+    section = dict(section) if isinstance(section, Mapping) else {}
+    exported = Path(model_dir) / "hf_quant_config.json" if model_dir is not None else None
+    if exported is not None and exported.is_file():
+        try:
+            quant = json.loads(exported.read_text()).get("quantization") or {}
+        except (json.JSONDecodeError, AttributeError):
+            quant = {}
+        section = {"quant_method": "modelopt", **section, **({"quant_algo": quant["quant_algo"]} if "quant_algo" in quant else {})}
+    method = str(section.get("quant_method", "")).lower()
+    if not section or (method == "fp8" and "quant_algo" not in section):
+        return
+    if method == "modelopt" or "quant_algo" in section:
+        algo = section.get("quant_algo")
+        raise ValueError(
+            f"the checkpoint is quantized by NVIDIA ModelOpt (quant_algo={algo!r}); flotilla does not load ModelOpt "
+            f"checkpoints (NVFP4 and the ModelOpt FP8 formats need kernels it does not build): serve the model's "
+            f"bfloat16 or block-FP8 release (quantization_config.quant_method 'fp8', weight_block_size [128, 128])"
+        )
+    raise ValueError(
+        f"quantization_config.quant_method={section.get('quant_method')!r} is not supported: flotilla loads unquantized "
+        f"checkpoints and block-FP8 ones (quant_method 'fp8', weight_block_size [128, 128]); serve one of those"
+    )

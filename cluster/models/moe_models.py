@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flotilla.cluster.models.base import KVCacheSpec, ModelConfig
+from flotilla.cluster.models.fp8_dequant import dequantize_on_load
 from flotilla.cluster.models.fp8_linear import ParallelLinears
 from flotilla.cluster.models.fp8_moe import routed_experts
 from flotilla.cluster.models.layers import (
@@ -354,8 +355,23 @@ class DecoderOnlyLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (checkpoint per-expert names or transformers' stacked
-        in-memory experts); returns the parameter names that were loaded."""
+        in-memory experts); returns the parameter names that were loaded. In a block-FP8
+        checkpoint, the float8 weights of modules this model does not keep in FP8 are
+        dequantized on the way (:func:`~flotilla.cluster.models.fp8_dequant.dequantize_on_load`)."""
+        if self.config.fp8 is not None:
+            params = {name for name, _ in self.named_parameters()}
+            weights = dequantize_on_load(weights, lambda module: self.keeps_fp8(module, params))
         return load_checkpoint(self, weights, self.hf_target)
+
+    def keeps_fp8(self, module: str, params: set[str]) -> bool:
+        """Whether checkpoint module ``module`` (``model.layers.0.mlp.down_proj``) loads into an
+        FP8 layer of this model: one whose ``weight_scale_inv`` is among ``params`` (the
+        model's parameter names)."""
+        where = self.hf_target(f"{module}.weight_scale_inv")
+        if where is None:
+            return True  # NOTE: a tensor the model skips passes as it is (nothing to dequantize)
+        targets = where if isinstance(where, list) else [where]
+        return any(name in params for name, _ in targets)
 
 
 class _GQAMoELM(DecoderOnlyLM):

@@ -21,7 +21,7 @@ from typing import Any, Literal, Mapping
 import torch
 
 from flotilla.cluster.models.base import ModelConfig, ParallelLayout
-from flotilla.cluster.models.fp8_config import BlockFp8Config
+from flotilla.cluster.models.fp8_config import BlockFp8Config, refuse_unloadable_quantization
 from flotilla.resolution import ModelFacts
 from flotilla.resolution.runtime_support import check_runtime_support
 
@@ -202,7 +202,8 @@ def load_model(
 
     A block-FP8 checkpoint (see :mod:`~flotilla.cluster.models.fp8_config`) loads its quantized
     projections as FP8 layers, for the architectures whose class says ``loads_block_fp8``;
-    ValueError for the others, and for an FP8 checkpoint missing scales.
+    ValueError for the others, for an FP8 checkpoint missing scales, and for a checkpoint in any
+    other quantization format (ModelOpt's named by its ``quant_algo``), before anything is built.
 
     Returns the model in eval mode on ``device``, parameters in the resolved ``dtype`` (FP8
     weights in float8_e4m3fn, their scales in float32).
@@ -211,6 +212,7 @@ def load_model(
     from flotilla.cluster.models.registry import block_fp8_architectures, model_class
 
     cls = model_class(source.architecture)
+    refuse_unloadable_quantization(source.config_dict, source.path if source.kind == "hf_dir" else None)
     fp8 = BlockFp8Config.from_hf(source.config_dict)
     if fp8 is not None and not getattr(cls, "loads_block_fp8", False):
         raise ValueError(
