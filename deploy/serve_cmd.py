@@ -3,6 +3,8 @@
     flotilla serve [--config FILE] [--model M] [server flags, SGLang spelling]...
                    [--router least-loaded|prefix-affinity] [--num-replicas N]
                    [--replica-num-cpus C] [--stream-batch-ms MS] [--address ADDR] [--non-blocking]
+                   [--max-prompts-per-request N] [--request-body-timeout-s S] [--max-header-bytes B]
+                   [--http-keep-alive-timeout-s S] [--http-request-timeout-s S]
                    [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
                     [--prefill-tp A] [--decode-tp B] [--kv-transport nixl|ray]
                     [--kv-load-failure-policy recompute|fail]]
@@ -72,7 +74,7 @@ from flotilla.resolution.fields import FIELDS
 from flotilla.resolution.runtime_support import UnsupportedSettingsError, noop_notice
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.loopback import use_loopback_only
-from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions
+from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions, ServeOptions
 
 # How long to wait for /health to answer 200 after the application reports running.
 READY_TIMEOUT_S = 120.0
@@ -113,6 +115,41 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a streamed request's chunks go out at most this often, its tokens gathered in between "
         "(default 50, as Ray Serve LLM; 0: a chunk every --stream-interval tokens)",
+    )
+    limits = ServeOptions()  # NOTE: the defaults shown in the help
+    clients = parser.add_argument_group("limits on clients")
+    clients.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=None,
+        help=f"the most prompts one /v1/completions request may list (400 beyond; default {limits.max_prompts_per_request})",
+    )
+    clients.add_argument(
+        "--request-body-timeout-s",
+        type=float,
+        default=None,
+        help="a request body must arrive whole within this many seconds (408 and the connection closed beyond; "
+        f"default {limits.request_body_timeout_s:g})",
+    )
+    clients.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=None,
+        help=f"the most bytes a request's headers may take (431 beyond; default {limits.max_header_bytes})",
+    )
+    clients.add_argument(
+        "--http-keep-alive-timeout-s",
+        type=int,
+        default=None,
+        help="seconds Serve's proxy keeps an idle keep-alive connection (Serve's http_options.keep_alive_timeout_s; "
+        "default Serve's, 90)",
+    )
+    clients.add_argument(
+        "--http-request-timeout-s",
+        type=float,
+        default=None,
+        help="Serve's end-to-end bound on one HTTP request, 408 from the proxy beyond (Serve's "
+        "http_options.request_timeout_s; default none: a long generation is a legitimate request)",
     )
     own.add_argument(
         "--address",
@@ -235,6 +272,14 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
         raise ArgumentError(f"--replica-num-cpus must not be negative, got {opts.replica_num_cpus}")
     if opts.stream_batch_ms is not None and not 0 <= opts.stream_batch_ms <= MAX_STREAM_BATCH_MS:
         raise ArgumentError(f"--stream-batch-ms must be in [0, {MAX_STREAM_BATCH_MS:g}] ms, got {opts.stream_batch_ms}")
+    for name, least, inclusive in (
+        ("max_prompts_per_request", 1, True), ("max_header_bytes", 1024, True), ("request_body_timeout_s", 0, False),
+        ("http_keep_alive_timeout_s", 0, True), ("http_request_timeout_s", 0, False),
+    ):  # fmt: skip
+        value = getattr(opts, name)
+        if value is not None and not (value >= least if inclusive else value > least):
+            bound = f"at least {least}" if inclusive else f"more than {least}"
+            raise ArgumentError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
     for name in PD_ONLY_FLAGS:
         value = getattr(opts, name)
         if value is not None and not pd:
@@ -283,6 +328,11 @@ def resolve_serving(opts: argparse.Namespace, given: dict[str, Any], platform: A
         elastic_autoscale=getattr(opts, "elastic_autoscale", None),
         max_body_bytes=getattr(opts, "max_body_bytes", None),
         placement=getattr(opts, "placement", None),
+        max_prompts_per_request=getattr(opts, "max_prompts_per_request", None),
+        request_body_timeout_s=getattr(opts, "request_body_timeout_s", None),
+        max_header_bytes=getattr(opts, "max_header_bytes", None),
+        http_keep_alive_timeout_s=getattr(opts, "http_keep_alive_timeout_s", None),
+        http_request_timeout_s=getattr(opts, "http_request_timeout_s", None),
     )
     return config, decode_config, options
 
@@ -415,15 +465,27 @@ def serves_tls(config) -> bool:
     return bool(config.ssl_certfile and config.ssl_keyfile)
 
 
-def http_options(config) -> dict[str, Any]:
-    """Serve's ``http_options`` for the endpoint: ``--host``/``--port`` and, with
+def http_options(config, serving: Any = None) -> dict[str, Any]:
+    """Serve's ``http_options`` for the endpoint: ``--host``/``--port``; with
     ``--ssl-certfile``/``--ssl-keyfile`` (plus ``--ssl-keyfile-password``), TLS, so the port
-    answers HTTPS only."""
+    answers HTTPS only; from ``serving`` (the ServeOptions), ``--http-keep-alive-timeout-s``
+    and ``--http-request-timeout-s`` when set.
+
+    NOTE: that is all of uvicorn Serve's proxy lets a deployment set (Ray 2.60 builds its
+    ``uvicorn.Config`` from host, port, root path, keep-alive and TLS alone): header size
+    and header-read time are not bounded there (see docs/configuration.md, limits on
+    clients); the ingress bounds header bytes (431) and the body's arrival (408) itself."""
     options: dict[str, Any] = {"host": config.host, "port": int(config.port)}
     if serves_tls(config):
         for name in ("ssl_certfile", "ssl_keyfile", "ssl_keyfile_password"):
             if getattr(config, name):
                 options[name] = str(getattr(config, name))
+    keep_alive = getattr(serving, "http_keep_alive_timeout_s", None)
+    if keep_alive is not None:
+        options["keep_alive_timeout_s"] = int(keep_alive)
+    request_timeout = getattr(serving, "http_request_timeout_s", None)
+    if request_timeout is not None:
+        options["request_timeout_s"] = float(request_timeout)
     return options
 
 
@@ -438,7 +500,7 @@ def deploy(config, options, decode_config=None) -> str:
 
     app = build_app(config, options) if decode_config is None else build_pd_app(config, decode_config, options)
     # NOTE: HeadOnly: one proxy, on the node this URL names (the head, where jobs run).
-    serve.start(http_options=http_options(config), proxy_location="HeadOnly")
+    serve.start(http_options=http_options(config, options), proxy_location="HeadOnly")
     with _quiet_reconnect_note():
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     scheme = "https" if serves_tls(config) else "http"

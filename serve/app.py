@@ -8,7 +8,8 @@
 - :func:`build` is the same for ``serve run flotilla.serve.app:build model_path=... tp_size=2``
   and Serve config files: arguments by their server field names (SGLang's), plus the
   :class:`ServeOptions` fields ``router``, ``num_replicas``, ``replica_num_cpus``,
-  ``max_body_bytes``; it resolves once, probing the platform on a worker node.
+  ``max_body_bytes``, ``max_prompts_per_request``, ``request_body_timeout_s``,
+  ``max_header_bytes``; it resolves once, probing the platform on a worker node.
 - :class:`ServeEngineClient` is the ingress's :class:`EngineClient` over the engine
   deployment's handle (and its :class:`ElasticEPClient`: the elastic EP admin calls).
 - Elastic EP (``--elastic-ep-backend ray --max-ep-size M``): :func:`resolve_colocated`
@@ -86,7 +87,10 @@ HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 5.0
 DEFAULT_SERVED_MODEL_NAME = "smollm2"
 # build() arguments that are serving options, not server fields.
-OPTION_ARGS = ("router", "num_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement")
+OPTION_ARGS = (
+    "router", "num_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement",
+    "max_prompts_per_request", "request_body_timeout_s", "max_header_bytes",
+)  # fmt: skip
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
 PD_OPTION_ARGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "kv_transport", "kv_load_failure_policy")
 
@@ -393,10 +397,18 @@ def serve_options(
     elastic_plan: Any = None,
     elastic_autoscale: ElasticAutoscaleOptions | None = None,
     placement: Mapping[str, Mapping[str, float]] | None = None,
+    max_prompts_per_request: int | None = None,
+    request_body_timeout_s: float | None = None,
+    max_header_bytes: int | None = None,
+    http_keep_alive_timeout_s: int | None = None,
+    http_request_timeout_s: float | None = None,
 ) -> ServeOptions:
     """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
     from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
-    replica when DP attention keeps the DP ranks inside one engine). PD mode
+    replica when DP attention keeps the DP ranks inside one engine). The limits on hostile
+    clients (``max_prompts_per_request``, ``request_body_timeout_s``, ``max_header_bytes``,
+    Serve's ``http_keep_alive_timeout_s`` and ``http_request_timeout_s``) default to
+    :class:`ServeOptions`' and are checked by :func:`check_client_limits`. PD mode
     (``disaggregation_mode="pd"``): one prefill and one decode replica by default;
     ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback.
     Elastic EP: ``elastic_plan`` from :func:`resolve_colocated`, ``elastic_autoscale``
@@ -428,9 +440,38 @@ def serve_options(
         elastic_plan=elastic_plan,
         elastic_autoscale=elastic_autoscale or ElasticAutoscaleOptions(),
         placement={group: dict(resources) for group, resources in (placement or {}).items()},
-    )
+        max_prompts_per_request=int(defaults.max_prompts_per_request if max_prompts_per_request is None else max_prompts_per_request),
+        request_body_timeout_s=float(defaults.request_body_timeout_s if request_body_timeout_s is None else request_body_timeout_s),
+        max_header_bytes=int(defaults.max_header_bytes if max_header_bytes is None else max_header_bytes),
+        http_keep_alive_timeout_s=http_keep_alive_timeout_s,
+        http_request_timeout_s=http_request_timeout_s,
+    )  # fmt: skip
     check_elastic_options(options)
+    check_client_limits(options)
     return options
+
+
+def check_client_limits(options: ServeOptions) -> None:
+    """ValueError naming the option and value unless the limits on clients are usable:
+    ``max_prompts_per_request`` and ``max_header_bytes`` (at least 1024) positive integers,
+    ``request_body_timeout_s`` positive seconds, Serve's keep-alive a non-negative whole
+    number of seconds and its request timeout positive seconds (both may be None)."""
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    checks = (
+        ("max_prompts_per_request", whole(options.max_prompts_per_request) and options.max_prompts_per_request >= 1, "an integer >= 1"),
+        ("max_header_bytes", whole(options.max_header_bytes) and options.max_header_bytes >= 1024, "an integer >= 1024 (bytes)"),
+        ("request_body_timeout_s", options.request_body_timeout_s > 0, "a number of seconds > 0"),
+        ("http_keep_alive_timeout_s", options.http_keep_alive_timeout_s is None
+         or (whole(options.http_keep_alive_timeout_s) and options.http_keep_alive_timeout_s >= 0), "a whole number of seconds >= 0"),
+        ("http_request_timeout_s", options.http_request_timeout_s is None or options.http_request_timeout_s > 0,
+         "a number of seconds > 0"),
+    )  # fmt: skip
+    for name, ok, requirement in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {requirement} (got {name}={getattr(options, name)!r})")
 
 
 def resolve_colocated(given: Mapping[str, Any], platform: Any = None) -> tuple[ResolvedConfig, str | None, Any]:
@@ -577,7 +618,8 @@ def build(args: dict[str, Any]) -> Application:
     ``tp_size``, ``max_running_requests``, ``api_key``, ``max_queued_requests``,
     ``served_model_name``, ...; values as strings or typed YAML) plus ``router``
     (``least-loaded``|``prefix-affinity``), ``num_replicas``, ``replica_num_cpus``,
-    ``stream_batch_ms``, ``max_body_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
+    ``stream_batch_ms``, ``max_body_bytes``, ``max_prompts_per_request``, ``request_body_timeout_s``,
+    ``max_header_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
     ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``kv_transport``,
     ``kv_load_failure_policy``; elastic EP (``elastic_ep_backend: ray``, ``max_ep_size``):
     ``elastic_ep_autoscale: true`` and its knobs (:data:`AUTOSCALE_ARGS`, as the
@@ -627,6 +669,9 @@ def build(args: dict[str, Any]) -> Application:
         elastic_plan=plan,
         elastic_autoscale=autoscale,
         placement=_placement_arg(option_args.get("placement")),
+        max_prompts_per_request=opt("max_prompts_per_request", int),
+        request_body_timeout_s=opt("request_body_timeout_s", float),
+        max_header_bytes=opt("max_header_bytes", int),
     )
     logger.info("serving %s (config %s)", options.served_model_name, config.digest[:16])
     if decode_config is not None:

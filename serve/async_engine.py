@@ -36,6 +36,7 @@ answers every queued command and frees every lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -73,6 +74,12 @@ IDLE_WAIT_S = 1.0
 RECENT_PREFIX_KEYS = 256
 # How long shutdown() waits for the engine thread to finish its step.
 SHUTDOWN_WAIT_S = 60.0
+# How long an engine holds queue room for the prompts of a multi-prompt request that have not
+# arrived yet (they are sent together; one routed to another replica never comes), and
+# remembers a refused one so that its later prompts are refused too.
+GROUP_HOLD_S = 5.0
+# Multi-prompt requests remembered at most (held or refused); the oldest are forgotten first.
+MAX_GROUPS = 4096
 
 
 @dataclass(eq=False)
@@ -90,6 +97,16 @@ class _Live:
     pending_tokens: int = 0
     num_tokens: int = 0
     finished_indexes: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Group:
+    """The queue room an engine holds for the prompts of one multi-prompt request
+    (:attr:`GenerateRequest.group_id`) still to come, or that the request was refused."""
+
+    expires: float  # time.monotonic() when it is forgotten (and its room released)
+    held: int  # prompts still to come, each with a queue slot held for it
+    refused: bool = False
 
 
 class AsyncEngine(PDCommands, ElasticEPCommands):
@@ -149,6 +166,9 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         self._dead: str | None = None
         self._stopping = False
         self._prefix_keys: OrderedDict[int, None] = OrderedDict()
+        # Multi-prompt requests seen lately (oldest first) and the queue slots held for them.
+        self._groups: OrderedDict[str, _Group] = OrderedDict()
+        self._held = 0
         # Requests admitted per DP rank (index: DP rank), for per-rank metrics.
         self._dp_rank_requests: list[int] = [0] * int(getattr(engine.scheduler, "dp_size", 1))
         # Engine-thread state.
@@ -195,8 +215,11 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         thread frees its KV blocks before its next step.
         """
         engine_id, stream = self._enqueue(request, _Add)
-        async for chunk in self._chunks(engine_id, stream):
-            yield chunk
+        # NOTE: aclosing: closing this stream closes the inner one now (its abort goes out at
+        # once), not when the garbage collector finalizes it.
+        async with contextlib.aclosing(self._chunks(engine_id, stream, group_id=request.group_id)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def _enqueue(self, request: GenerateRequest, kind: type[_Add], **extra: Any) -> tuple[str, _Stream]:
         """Queue an add command of ``kind`` under the queue bound; its id and stream."""
@@ -206,13 +229,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         arrival = request.arrival_time if request.arrival_time and request.arrival_time > 0 else time.time()
         with self._cond:
             self._raise_if_unavailable()
-            queued = self._snapshot[1] + self._queued_adds
-            if queued >= self.max_queued_requests:
-                raise EngineOverloadedError(
-                    f"the engine replica's queue is full ({queued} requests waiting, "
-                    f"max_queued_requests={self.max_queued_requests}); retry after {self.retry_after_s} s",
-                    self.retry_after_s,
-                )
+            self._admit(request, now, grouped=kind is not _AddPrefilled)
             self._queued_adds += 1
             self._commands.append(kind(engine_id, request, stream, now, arrival, **extra))
             if request.prefix_key is not None:
@@ -223,7 +240,80 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
             self._cond.notify()
         return engine_id, stream
 
-    async def _chunks(self, engine_id: str, stream: _Stream) -> AsyncIterator[GenerateChunk]:
+    def _admit(self, request: GenerateRequest, now: float, grouped: bool = True) -> None:
+        """The queue bound, under ``_cond``: raises :class:`EngineOverloadedError` when the
+        request does not fit (``ValueError`` naming ``prompt`` when it never can).
+
+        With ``grouped``, a prompt of a multi-prompt request (``request.group_id``) counts as
+        the whole request: the first of its prompts to arrive is admitted only when all
+        ``group_size`` fit, and a slot is held for each of the others (for
+        :data:`GROUP_HOLD_S`); when they do not fit, every prompt of the request is refused,
+        so none of them runs. A request a prefill replica admitted already
+        (``_AddPrefilled``) counts as itself."""
+        self._forget_groups(now)
+        limit = self.max_queued_requests
+        group_id, size = request.group_id, int(request.group_size or 1)
+        group = self._groups.get(group_id) if grouped and group_id is not None and size > 1 else None
+        if group is not None and group.refused:
+            raise EngineOverloadedError(
+                f"the engine replica refused this request's other prompts (max_queued_requests={limit}); "
+                f"retry after {self.retry_after_s} s",
+                self.retry_after_s,
+            )
+        if group is not None and group.held > 0:
+            group.held -= 1
+            self._held -= 1
+            return  # NOTE: its slot was held when the request's first prompt came
+        queued = self._snapshot[1] + self._queued_adds + self._held
+        if group is None and grouped and group_id is not None and size > 1:
+            if size > limit:
+                raise ValueError(
+                    f"prompt holds {size} prompts and an engine replica queues at most {limit} requests "
+                    f"(max_queued_requests={limit}); send at most {limit} prompts per request"
+                )
+            if queued + size > limit:
+                self._remember_group(group_id, _Group(now + GROUP_HOLD_S, 0, refused=True))
+                raise EngineOverloadedError(
+                    f"the engine replica's queue has no room for this request's {size} prompts ({queued} requests "
+                    f"waiting, max_queued_requests={limit}); retry after {self.retry_after_s} s",
+                    self.retry_after_s,
+                )
+            self._remember_group(group_id, _Group(now + GROUP_HOLD_S, size - 1))
+            self._held += size - 1
+            return
+        if queued >= limit:
+            raise EngineOverloadedError(
+                f"the engine replica's queue is full ({queued} requests waiting, "
+                f"max_queued_requests={limit}); retry after {self.retry_after_s} s",
+                self.retry_after_s,
+            )
+
+    def _remember_group(self, group_id: str, group: _Group) -> None:
+        self._groups[group_id] = group
+        while len(self._groups) > MAX_GROUPS:
+            self._held -= self._groups.popitem(last=False)[1].held
+
+    def _forget_groups(self, now: float) -> None:
+        """Forget the groups past their hold, releasing the slots they still held (under ``_cond``)."""
+        while self._groups:
+            group_id, group = next(iter(self._groups.items()))
+            if group.expires > now:
+                return
+            del self._groups[group_id]
+            self._held -= group.held
+
+    def _give_up_group(self, group_id: str) -> None:
+        """A prompt of ``group_id`` was left by its consumer (the HTTP request is gone): the
+        slots held for its other prompts are released and any still to come are refused."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            if group is not None:
+                self._held -= group.held
+                group.held, group.refused = 0, True
+
+    async def _chunks(
+        self, engine_id: str, stream: _Stream, group_id: str | None = None
+    ) -> AsyncIterator[GenerateChunk]:
         """The chunks of a queued request until its last; aborts it when left early.
 
         Chunks that queued up while the consumer was busy go out as one (a consumer that
@@ -254,6 +344,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
             if not finished:
                 # NOTE: the consumer left (aclose, cancellation, a dropped connection).
                 self._submit(_Abort(engine_id))
+                if group_id is not None:
+                    self._give_up_group(group_id)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` run on the engine thread between steps; raises what it raised, or
@@ -362,10 +454,11 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         self._die("the engine replica shut down", dead=False)
 
     def _next_commands(self) -> list[_Command] | None:
-        """The commands queued since the last call (waiting while idle, but no later than
-        the next lease deadline); None on shutdown."""
+        """The commands queued since the last call (waiting while idle, or while every
+        waiting request waits for leased blocks, but no later than the next lease deadline);
+        None on shutdown."""
         with self._cond:
-            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+            while not (self._commands or self._stopping or self._can_step()):
                 wait_s = IDLE_WAIT_S
                 if self._handoff.leases:
                     due_in = self._handoff.leases.next_deadline() - time.monotonic()
@@ -377,6 +470,14 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                 return None
             commands, self._commands = self._commands, []
             return commands
+
+    def _can_step(self) -> bool:
+        """Whether a step can make progress: unfinished requests, unless the last step
+        admitted nothing because leased (held) blocks fill the pool. NOTE: then only a
+        command (a release, an abort) or a lease's expiry changes anything; stepping on
+        would spin the thread."""
+        blocked = getattr(self.engine.scheduler, "waiting_for_held_blocks", False)
+        return self.engine.has_unfinished_requests() and not blocked
 
     def _apply(self, commands: list[_Command]) -> None:
         adds = 0

@@ -23,10 +23,14 @@ Where the work happens:
   the slot at once), which only the engine loop can do. Chunks therefore arrive with their
   text final (never a split multi-byte character, never the start of a stop string).
 - Errors use OpenAI's envelope: 400 bad input (naming the parameter and value), 401 bad
-  API key, 404 unknown model or route, 413 body over ``options.max_body_bytes`` (counted
-  while reading, whatever Content-Length says), 429 + ``Retry-After`` when the engine's
-  queue is full, 503 when the engine is dead or fails the request. A streaming request
-  that fails after its first chunk gets ``data: {"error": {...}}`` and ``data: [DONE]``.
+  API key, 404 unknown model or route, 405 a method the route does not take, 408 a body
+  not whole within ``options.request_body_timeout_s``, 413 body over
+  ``options.max_body_bytes`` (counted while reading, whatever Content-Length says), 415 a
+  Content-Type that is not JSON, 431 headers over ``options.max_header_bytes``, 429 +
+  ``Retry-After`` when the engine's queue is full (a multi-prompt request counts as all its
+  prompts), 503 when the engine is dead or fails the request. A streaming request that
+  fails after its first chunk gets ``data: {"error": {...}}`` and ``data: [DONE]``. When one
+  prompt of a multi-prompt request is refused, the others are aborted before the answer.
 - Each request's id is the client's ``X-Request-Id`` (a uuid when absent), echoed in the
   response header; one JSON log line per request goes to the ``flotilla.serve.access``
   logger at INFO. A client that disconnects mid-stream closes the engine stream, which
@@ -72,6 +76,7 @@ from flotilla.serve.protocol import (
     bad_request,
     model_not_found,
     parse_request,
+    quote,
 )
 from flotilla.serve.request_log import RequestLogSettings, format_record, request_log, request_record
 from flotilla.serve.responses import (
@@ -234,10 +239,33 @@ def unencodable_string(body: Any) -> str | None:
     return "body"
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON; 413 beyond ``limit`` bytes, counted as they arrive; 400 for
-    a body nested deeper than :data:`MAX_JSON_DEPTH` or holding a string that is not valid
-    Unicode (naming where)."""
+def _json_media_type(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON (``application/json``, ``application/*+json``;
+    parameters such as ``charset=utf-8`` aside). No Content-Type counts as JSON."""
+    if content_type is None:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _not_a_json_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (JSON has no NaN or Infinity); send a finite number")
+
+
+async def read_json(request: Request, limit: int, timeout_s: float | None = None) -> Any:
+    """The request body as JSON; 415 for a Content-Type that is not JSON; 413 beyond
+    ``limit`` bytes, counted as they arrive; 408 (and the connection closed) when the body
+    has not arrived whole within ``timeout_s`` seconds; 400 for a body that is not UTF-8, is
+    nested deeper than :data:`MAX_JSON_DEPTH`, spells NaN or Infinity, or holds a string that
+    is not valid Unicode (naming where)."""
+    content_type = request.headers.get("content-type")
+    if not _json_media_type(content_type):
+        raise APIError(
+            415,
+            f"the request body must be JSON (got Content-Type {quote(content_type)}); "
+            "send it with 'Content-Type: application/json'",
+            code="unsupported_media_type",
+        )
     too_large = APIError(
         413,
         f"the request body is larger than this server's limit of {limit} bytes; send a smaller request",
@@ -248,24 +276,41 @@ async def read_json(request: Request, limit: int) -> Any:
         raise too_large
     size, parts = 0, []
     try:
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_large
-            parts.append(part)
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_large
+                parts.append(part)
     except ClientDisconnect:
         raise bad_request("the client disconnected while sending the body") from None
+    except TimeoutError:
+        expected = f"of the {declared} declared " if declared is not None and declared.isdigit() else ""
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes {expected}came); "
+            "send the whole body at once (this server's --request-body-timeout-s)",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     if not size:
         raise bad_request("the request body is empty; send a JSON object")
     raw = b"".join(parts)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(
+            f"the request body is not valid UTF-8 (byte {exc.start} is {raw[exc.start:exc.start + 1]!r}); "
+            "send JSON encoded as UTF-8"
+        ) from None
     depth = json_depth(raw)
     if depth > MAX_JSON_DEPTH:
         raise bad_request(
             f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep; send a flatter body"
         )
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        body = json.loads(text, parse_constant=_not_a_json_number)
+    except (ValueError, RecursionError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     where = unencodable_string(body)
     if where is not None:
@@ -358,7 +403,7 @@ class _Ingress:
     async def scale_elastic_ep(self, request: Request) -> Response:
         """``POST /scale_elastic_ep``: ``{"new_ep_size": N}`` (or ``new_data_parallel_size``)."""
         client = self._elastic_client("POST /scale_elastic_ep")
-        body = await read_json(request, self.options.max_body_bytes)
+        body = await read_json(request, self.options.max_body_bytes, self.options.request_body_timeout_s)
         if not isinstance(body, dict):
             raise bad_request(f"the request body must be a JSON object like {{\"{NEW_EP_SIZE}\": 2}}", NEW_EP_SIZE)
         given = {k: body[k] for k in (NEW_EP_SIZE, NEW_EP_SIZE_ALIAS) if k in body}
@@ -421,7 +466,7 @@ class _Ingress:
             raise model_not_found(name, self.served_model)
 
     async def _body(self, request: Request) -> Any:
-        body = await read_json(request, self.options.max_body_bytes)
+        body = await read_json(request, self.options.max_body_bytes, self.options.request_body_timeout_s)
         if self.request_log.enabled:
             request.state.body = body  # NOTE: the request log quotes it when the response is done
         return body
@@ -444,7 +489,7 @@ class _Ingress:
         req = parse_request(CompletionRequest, await self._body(request))
         self._check_model(req.model)
         params = req.to_sampling_params()
-        prompts = normalize_prompts(req.prompt, self.tokenizer)
+        prompts = normalize_prompts(req.prompt, self.tokenizer, self.options.max_prompts_per_request)
         job = self._job(request, req, "completion", f"cmpl-{request.state.request_id}", params, prompts)
         return await self._run(request, job, params, bool(req.stream), "prompt", req.priority)
 
@@ -463,11 +508,16 @@ class _Ingress:
         self, request: Request, job: GenerationJob, params, stream: bool, prompt_param: str, priority: int | None = None
     ) -> Response:
         rid, arrival = request.state.request_id, request.state.arrival_time
-        many = len(job.prompts) > 1
+        count = len(job.prompts)
+        many = count > 1
+        # NOTE: the prompts of one request are one group: an engine replica admits them all or none.
         requests = [
-            GenerateRequest(f"{rid}-{i}" if many else rid, p.token_ids, params, arrival, self._prefix_key(p), priority)
+            GenerateRequest(
+                f"{rid}-{i}" if many else rid, p.token_ids, params, arrival, self._prefix_key(p), priority,
+                group_id=rid if many else None, group_size=count,
+            )
             for i, p in enumerate(job.prompts)
-        ]
+        ]  # fmt: skip
         iterators = []
         try:
             for r in requests:
@@ -479,7 +529,7 @@ class _Ingress:
         await streams.start()
         if stream:
             frames = chat_frames(job, streams) if job.kind == "chat" else completion_frames(job, streams)
-            return _SSEResponse(frames, headers={"Cache-Control": "no-cache"})
+            return _SSEResponse(frames, headers={"Cache-Control": "no-cache"}, streams=streams)
         try:
             response = await respond(job, streams)
         finally:
@@ -509,16 +559,25 @@ class _SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content, *, streams: EngineStreams, **kwargs):
+        super().__init__(content, **kwargs)
+        self.streams = streams
+
     async def __call__(self, scope, receive, send) -> None:
-        async with anyio.create_task_group() as group:
+        try:
+            async with anyio.create_task_group() as group:
 
-            async def run_stream() -> None:
-                await self.stream_response(send)
+                async def run_stream() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(run_stream)
+                await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-
-            group.start_soon(run_stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+        finally:
+            # NOTE: a client gone before the first frame leaves the frames' generator
+            # unstarted (its own finally never runs): the engine streams close here.
+            await self.streams.close()
 
 
 class _Observer:
@@ -550,8 +609,13 @@ class _Observer:
 
         path = scope.get("path", "")
         try:
+            header_bytes = sum(len(name) + len(value) for name, value in scope.get("headers", ()))
             key, which = self._required_key(path)
-            if key is not None and not _bearer_matches(headers, key):
+            if header_bytes > self.ingress.options.max_header_bytes:
+                await error_response(_headers_too_large(header_bytes, self.ingress.options.max_header_bytes))(
+                    scope, receive, send_observed
+                )
+            elif key is not None and not _bearer_matches(headers, key):
                 message = f"missing or incorrect {which}; send it as 'Authorization: Bearer <key>'"
                 await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send_observed)
             else:
@@ -594,6 +658,14 @@ class _Observer:
         if settings.enabled and job is not None:
             line = request_record(settings, record, state.get("body"), job.output_texts())
             request_log.info(format_record(settings, line))
+
+
+def _headers_too_large(size: int, limit: int) -> APIError:
+    message = (
+        f"the request's headers take {size} bytes and this server's limit is {limit} "
+        "(--max-header-bytes); send fewer or shorter headers"
+    )
+    return APIError(431, message, code="request_header_fields_too_large", headers={"Connection": "close"})
 
 
 def _bearer_matches(headers: Headers, key: str) -> bool:

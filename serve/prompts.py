@@ -58,9 +58,11 @@ def render_chat(
     return Prompt(list(tokenizer.encode(text, add_special_tokens=False)), text)
 
 
-def normalize_prompts(prompt: Any, tokenizer: Any) -> list[Prompt]:
+def normalize_prompts(prompt: Any, tokenizer: Any, max_prompts: int | None = None) -> list[Prompt]:
     """``/v1/completions``' ``prompt`` as a list of prompts: a string, a list of strings
-    (several prompts), a list of token ids (one), or a list of token-id lists (several)."""
+    (several prompts), a list of token ids (one), or a list of token-id lists (several);
+    at most ``max_prompts`` of them (``--max-prompts-per-request``; None: any number),
+    checked before anything is tokenized."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -69,6 +71,12 @@ def normalize_prompts(prompt: Any, tokenizer: Any) -> list[Prompt]:
         items = list(prompt or [])
     if not items:
         raise bad_request("prompt is empty; give a string, token ids, or a non-empty list of them", "prompt")
+    if max_prompts is not None and len(items) > max_prompts:
+        raise bad_request(
+            f"prompt holds {len(items)} prompts and this server takes at most {max_prompts} per request "
+            "(--max-prompts-per-request); send the others in further requests",
+            "prompt",
+        )
     out = []
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 else f"prompt[{i}]"

@@ -107,9 +107,16 @@ class EngineStreams:
     """The engine streams of one HTTP request (one per prompt), read as one.
 
     :meth:`start` waits for every stream's first chunk, so that refusals (bad input, a full
-    queue, a dead engine) become HTTP statuses before any response is sent. :meth:`close`
-    closes every stream (the engine aborts what is unfinished) and completes even when the
-    caller is cancelled mid-way.
+    queue, a dead engine) become HTTP statuses before any response is sent; when one prompt
+    is refused, every other prompt's stream is cancelled and closed before :meth:`start`
+    raises, so the engine aborts them and frees their KV blocks. :meth:`close` closes every
+    stream (the engine aborts what is unfinished) and completes even when the caller is
+    cancelled mid-way.
+
+    NOTE: an async generator whose ``__anext__`` runs in another task cannot be closed
+    (``aclose()`` raises "asynchronous generator is already running"): every task that
+    iterates a stream (the first-chunk waits, the pumps) is cancelled and awaited first,
+    which ends the iteration inside the generator (its ``finally`` aborts the request).
     """
 
     _END = object()
@@ -122,15 +129,17 @@ class EngineStreams:
         self._queue: asyncio.Queue | None = None
         self._live = 0
         self._pumps: list[asyncio.Task] = []
+        self._firsts: list[asyncio.Task] = []
         self._closing: asyncio.Future | None = None
 
     async def start(self) -> None:
-        """Wait for the first chunks; raises the APIError the client gets on refusal."""
+        """Wait for the first chunks; raises the APIError the client gets on refusal (of
+        the lowest-numbered prompt refused), after closing every stream."""
         try:
             if len(self._its) == 1:
                 firsts = [await self._first(0)]
             else:
-                firsts = await asyncio.gather(*(self._first(i) for i in range(len(self._its))))
+                firsts = await self._all_firsts()
         except BaseException as exc:
             await self.close()
             if isinstance(exc, Exception):
@@ -142,6 +151,16 @@ class EngineStreams:
             live = [i for i in range(len(self._its)) if not self._done[i]]
             self._pumps = [asyncio.ensure_future(self._pump(i)) for i in live]
             self._live = len(live)
+
+    async def _all_firsts(self) -> list[GenerateChunk | None]:
+        """Every stream's first chunk, waited for concurrently; the first refusal raises
+        at once (the other waits are cancelled by :meth:`close`)."""
+        self._firsts = [asyncio.ensure_future(self._first(i)) for i in range(len(self._its))]
+        await asyncio.wait(self._firsts, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in self._firsts if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        return [t.result() for t in self._firsts]
 
     async def _first(self, i: int) -> GenerateChunk | None:
         try:
@@ -197,9 +216,12 @@ class EngineStreams:
         await asyncio.shield(self._closing)
 
     async def _close_all(self) -> None:
-        for task in self._pumps:
+        # NOTE: the tasks iterating a stream end first (cancelled: a stream still waiting
+        # for its first chunk is aborted), so that no aclose() below meets a running generator.
+        iterating = [t for t in self._firsts + self._pumps if not t.done()]
+        for task in iterating:
             task.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await asyncio.gather(*iterating, return_exceptions=True)
         for it in self._its:
             closer = getattr(it, "aclose", None) or getattr(it, "cancel", None)
             if closer is None:

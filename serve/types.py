@@ -32,6 +32,12 @@ class GenerateRequest:
             (computed by the ingress; None when the prompt is shorter than a block).
         priority: the request body's ``priority`` (None when it has none); the engine
             applies ``--enable-priority-scheduling`` and its defaults.
+        group_id: the HTTP request's id when it has several prompts (a ``/v1/completions``
+            list; each prompt is a GenerateRequest of its own), else None.
+        group_size: how many prompts that HTTP request has. An engine replica counts a
+            group against its queue bound as all its prompts: the first to arrive is
+            admitted only when all fit, and room is held for the rest; otherwise every
+            prompt of the group is refused.
     """
 
     request_id: str
@@ -40,6 +46,8 @@ class GenerateRequest:
     arrival_time: float
     prefix_key: int | None = None
     priority: int | None = None
+    group_id: str | None = None
+    group_size: int = 1
 
 
 @dataclass
@@ -315,6 +323,21 @@ class ServeOptions:
             that made it. 50 ms, as Ray Serve LLM batches its streams; 0: a chunk every
             ``--stream-interval`` tokens.
         max_body_bytes: the largest request body accepted (413 beyond).
+        max_prompts_per_request: the most prompts one ``/v1/completions`` request may list
+            (400 naming ``prompt`` beyond; ``--max-prompts-per-request``).
+        request_body_timeout_s: a request body must arrive whole within this many seconds of
+            the request's headers (408 beyond, and the connection is closed;
+            ``--request-body-timeout-s``): a client that declares a body and never sends it
+            would hold its request, and the engine capacity Serve counts for it, forever.
+        max_header_bytes: the most bytes a request's header names and values may take
+            together (431 beyond; ``--max-header-bytes``). Serve's proxy itself takes headers
+            of any size (see docs/configuration.md, limits on clients).
+        http_keep_alive_timeout_s: seconds Serve's proxy keeps an idle keep-alive connection
+            open (Serve's ``http_options.keep_alive_timeout_s``; None: Serve's default, 90 s;
+            ``--http-keep-alive-timeout-s``).
+        http_request_timeout_s: Serve's end-to-end bound on one HTTP request, 408 from the
+            proxy beyond (Serve's ``http_options.request_timeout_s``; None: no bound, since a
+            long generation is a legitimate request; ``--http-request-timeout-s``).
         api_key: Bearer key required on every endpoint but ``/health`` (None: open).
         replica_num_cpus: CPUs each engine replica actor reserves.
         disaggregation_mode: ``"null"`` (one colocated engine pool) or ``"pd"`` (a prefill
@@ -346,6 +369,11 @@ class ServeOptions:
     max_queued_requests: int = 256
     stream_batch_ms: float = 50.0
     max_body_bytes: int = 1 << 20
+    max_prompts_per_request: int = 64
+    request_body_timeout_s: float = 30.0
+    max_header_bytes: int = 32 * 1024
+    http_keep_alive_timeout_s: int | None = None
+    http_request_timeout_s: float | None = None
     api_key: str | None = None
     replica_num_cpus: float = 0.5
     disaggregation_mode: str = "null"

@@ -12,6 +12,7 @@ so checks on them poll (helpers.live_metrics.wait_for).
 """
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import httpx
@@ -255,6 +256,45 @@ def test_served_name_and_options_come_from_the_config(tmp_path):
     assert ingress_deployment_options(config, options)["max_ongoing_requests"] >= engine["max_ongoing_requests"]
     with pytest.raises(ValueError, match="router='nope'"):
         serve_options(config, model=None, router="nope")
+
+
+def test_client_limits_reach_serve_options_serve_http_options_and_build_args():
+    """The limits on clients: flotilla serve's flags reach ServeOptions (the ingress's limits)
+    and Serve's http_options (keep-alive, request timeout; Serve's own HTTPOptions takes
+    them); serve run / config files take the ingress's as build() arguments; bad values are
+    refused naming the flag or option."""
+    from ray.serve.config import HTTPOptions
+
+    from flotilla.deploy.config_file import arg_flags
+    from flotilla.deploy.serve_cmd import http_options, parse_serve_args, resolve_serving
+    from flotilla.resolution import preset
+    from flotilla.serve.app import check_client_limits
+
+    flags = ["--max-prompts-per-request", "8", "--request-body-timeout-s", "2.5", "--max-header-bytes", "4096",
+             "--http-keep-alive-timeout-s", "7", "--http-request-timeout-s", "600", "--max-total-tokens", "2048"]  # fmt: skip
+    opts, given = parse_serve_args(flags)
+    config, _, options = resolve_serving(opts, given, preset("cpu"))
+    assert (options.max_prompts_per_request, options.request_body_timeout_s, options.max_header_bytes) == (8, 2.5, 4096)
+    served = http_options(config, options)
+    assert served["keep_alive_timeout_s"] == 7 and served["request_timeout_s"] == 600.0
+    assert HTTPOptions(**served).keep_alive_timeout_s == 7
+    defaults = resolve_serving(*parse_serve_args(["--max-total-tokens", "2048"]), preset("cpu"))[2]
+    assert (defaults.max_prompts_per_request, defaults.request_body_timeout_s, defaults.max_header_bytes) == (64, 30.0, 32768)
+    assert set(http_options(config, defaults)) == {"host", "port"}  # NOTE: Serve's own defaults stay
+    for flag, value in (("--max-prompts-per-request", "0"), ("--request-body-timeout-s", "0"), ("--max-header-bytes", "100"),
+                        ("--http-keep-alive-timeout-s", "-1"), ("--http-request-timeout-s", "0")):  # fmt: skip
+        with pytest.raises(ArgumentError, match=f"{flag} must be"):
+            parse_serve_args([flag, value])
+
+    _, option_args = parse_build_args({"max_prompts_per_request": "8", "request_body_timeout_s": "2.5", "max_header_bytes": 4096})
+    assert option_args == {"max_prompts_per_request": "8", "request_body_timeout_s": "2.5", "max_header_bytes": 4096}
+    assert arg_flags("max_prompts_per_request", 8) == ["--max-prompts-per-request", "8"]
+    options = serve_options(config, model=None, max_prompts_per_request=8, request_body_timeout_s=2.5, max_header_bytes=4096)
+    assert (options.max_prompts_per_request, options.request_body_timeout_s, options.max_header_bytes) == (8, 2.5, 4096)
+    with pytest.raises(ValueError, match=r"max_prompts_per_request must be an integer >= 1 \(got max_prompts_per_request=0\)"):
+        serve_options(config, model=None, max_prompts_per_request=0)
+    with pytest.raises(ValueError, match="http_keep_alive_timeout_s"):
+        check_client_limits(dataclasses.replace(options, http_keep_alive_timeout_s=1.5))
 
 
 class _FakeResponse:

@@ -221,6 +221,138 @@ def test_a_full_queue_raises_overloaded_without_queuing(model_dir):
         asyncio.run(main())
 
 
+def grouped(prompt, group_id: str, size: int, index: int, params=GREEDY):
+    """Prompt ``index`` of a multi-prompt request (``group_id`` of ``size`` prompts)."""
+    req = request(prompt, params, f"{group_id}-{index}")
+    req.group_id, req.group_size = group_id, size
+    return req
+
+
+@contextlib.contextmanager
+def gated(engine: AsyncEngine):
+    """Hold the engine thread inside step() until the gate opens, so admitted requests stay
+    counted as waiting (no timing involved)."""
+    gate, real_step = threading.Event(), engine.engine.step
+
+    def gated_step():
+        assert gate.wait(WAIT_S), "gate never opened"
+        return real_step()
+
+    engine.engine.step = gated_step
+    try:
+        yield gate
+    finally:
+        gate.set()
+
+
+def test_a_multi_prompt_request_is_admitted_whole_or_refused_whole(model_dir):
+    """The prompts of one HTTP request (one group) count against the queue bound together:
+    a group larger than the queue is refused at every prompt (ValueError naming prompt), one
+    that does not fit now gets 429 at every prompt and none of it is queued; one that fits
+    holds room for its prompts still to come, so a request arriving in between is refused
+    instead of them. A consumer that leaves gives the held room back and refuses the rest."""
+    prompt = random_prompts([6], VOCAB)[0]
+    with async_engine(model_dir, max_queued_requests=4) as engine, gated(engine) as gate:
+
+        async def first(req):
+            return await engine.generate(req).__anext__()
+
+        async def main():
+            for index in range(5):  # NOTE: five prompts never fit a queue of four
+                with pytest.raises(ValueError, match=r"^prompt holds 5 prompts.*max_queued_requests=4"):
+                    await first(grouped(prompt, "big", 5, index))
+            lone = engine.generate(request(prompt, request_id="lone"))
+            waiting = [asyncio.create_task(lone.__anext__())]
+            await wait_until(lambda: engine.load().waiting == 1, "one waiting request")
+            for index in range(4):  # NOTE: 1 waiting + 4 > 4: refused whole
+                with pytest.raises(EngineOverloadedError, match="no room for this request's 4 prompts|other prompts"):
+                    await first(grouped(prompt, "late", 4, index))
+            assert engine.load().waiting == 1
+
+            # A group of 3 fits: its first prompt holds room for the other two.
+            streams = [engine.generate(grouped(prompt, "fits", 3, 0))]
+            waiting.append(asyncio.create_task(streams[0].__anext__()))
+            await wait_until(lambda: engine.load().waiting == 2, "the group's first prompt")
+            with pytest.raises(EngineOverloadedError, match="queue is full"):
+                await first(request(prompt, request_id="between"))  # 2 waiting + 2 held
+            for index in (1, 2):
+                streams.append(engine.generate(grouped(prompt, "fits", 3, index)))
+                waiting.append(asyncio.create_task(streams[-1].__anext__()))
+            await wait_until(lambda: engine.load().waiting == 4, "the whole group")
+
+            # A group whose consumer leaves: its held room comes back, its later prompts are refused.
+            gate.set()
+            for task in waiting:
+                await task
+            for stream in [lone, *streams]:
+                assert [c async for c in stream][-1].finished
+            await wait_until(lambda: engine.load().waiting == 0, "an empty queue")
+            left = engine.generate(grouped(prompt, "left", 3, 0, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)))
+            await left.__anext__()
+            await left.aclose()
+            assert engine._held == 0
+            with pytest.raises(EngineOverloadedError, match="other prompts"):
+                await first(grouped(prompt, "left", 3, 1))
+
+        asyncio.run(main())
+
+
+def test_room_held_for_prompts_that_never_come_is_released(model_dir, monkeypatch):
+    """A group's first prompt holds room for the others; when they never come (routed to
+    another replica), the room is released GROUP_HOLD_S later."""
+    from flotilla.serve import async_engine as module
+
+    monkeypatch.setattr(module, "GROUP_HOLD_S", 0.05)
+    prompt = random_prompts([6], VOCAB)[0]
+    with async_engine(model_dir, max_queued_requests=4) as engine:
+
+        async def main():
+            orphan = engine.generate(grouped(prompt, "orphan", 4, 0))
+            await orphan.__anext__()
+            assert engine._held == 3
+            await asyncio.sleep(0.1)
+            assert [c async for c in engine.generate(request(prompt, request_id="after"))][-1].finished
+            assert engine._held == 0 and not engine._groups
+            await orphan.aclose()
+
+        asyncio.run(main())
+
+
+def test_the_ingress_refuses_a_request_whose_prompts_do_not_fit_and_aborts_the_admitted_ones(model_dir):
+    """Through the real ingress over a real AsyncEngine (queue bound 2): four prompts are a 400
+    naming prompt with nothing generated; a request one of whose prompts the engine refuses
+    (a token id beyond the vocabulary) is a 400, and its other prompts, already running
+    toward 200 tokens each, are aborted at once and their KV blocks freed."""
+    import httpx
+
+    from flotilla.serve.ingress import create_app
+
+    with async_engine(model_dir, max_queued_requests=2) as engine:
+        app = create_app(engine, None, ServeOptions(served_model_name="tiny"), engine.engine.config)
+        prompt = random_prompts([20], VOCAB)[0]
+
+        async def main():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://flotilla.test") as http:
+                body = {"model": "tiny", "prompt": [prompt] * 4, "max_tokens": 200, "ignore_eos": True}
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+                assert sample(engine, "flotilla:generation_tokens_total") == 0
+
+                body["prompt"] = [prompt, prompt[:-1] + [VOCAB + 7]]
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+                await wait_until(lambda: engine.load().load == 0 and engine.load().kv_usage == 0, "the abort")
+                assert sample(engine, "flotilla:request_success_total", finished_reason="abort") == 1
+                assert sample(engine, "flotilla:request_success_total", finished_reason="length") == 0
+                assert sample(engine, "flotilla:generation_tokens_total") < 200
+
+                good = await http.post("/v1/completions", json={"model": "tiny", "prompt": [prompt] * 2, "max_tokens": 3})
+                assert good.status_code == 200 and len(good.json()["choices"]) == 2
+
+        asyncio.run(main())
+
+
 def test_bad_input_raises_value_error_before_any_chunk_and_the_engine_keeps_serving(model_dir):
     prompt = random_prompts([6], VOCAB)[0]
     bad = [

@@ -490,3 +490,110 @@ def test_request_ids_and_access_log(caplog):
     assert lines[0]["request_id"] == "client-7" and lines[0]["status"] == 200 and lines[0]["latency_s"] >= 0
     assert (lines[0]["prompt_tokens"], lines[0]["completion_tokens"], lines[0]["cached_tokens"]) == (3, 2, 1)
     assert lines[1]["path"] == "/v1/models" and "prompt_tokens" not in lines[1]
+
+
+# -- the prompts of one request: refused together, aborted together ----------------------------
+
+
+class SiblingEngine:
+    """An EngineClient for multi-prompt requests: prompt ``refuse`` is refused with
+    ``refusal`` at once; the others wait in the queue (``first_chunk=False``: they never
+    get a first chunk) or stream one chunk and then wait. Records which prompts' streams
+    were closed (their ``finally`` ran: the real engine aborts there) and the groups seen."""
+
+    def __init__(self, refuse: int | None, refusal: Exception | None = None, first_chunk: bool = False):
+        self.refuse, self.refusal, self.first_chunk = refuse, refusal, first_chunk
+        self.closed: set[int] = set()
+        self.groups: set[tuple] = set()
+
+    async def generate(self, request):
+        index = int(request.request_id.rsplit("-", 1)[1])
+        self.groups.add((getattr(request, "group_id", None), getattr(request, "group_size", None)))
+        try:
+            if index == self.refuse:
+                raise self.refusal
+            if self.first_chunk:
+                yield GenerateChunk(request.request_id, [CompletionChunk(0, [5], "a")])
+            await asyncio.Event().wait()
+            yield GenerateChunk(request.request_id)  # NOTE: never reached
+        finally:
+            self.closed.add(index)
+
+    async def is_healthy(self):
+        return True
+
+    async def metrics_text(self):
+        return ""
+
+
+@pytest.mark.parametrize(
+    "refusal, status",
+    [(EngineOverloadedError("the queue is full", retry_after_s=1), 429), (ValueError("prompt_token_ids: bad id"), 400)],
+)
+def test_a_refused_prompt_aborts_every_other_prompt_of_its_request(refusal, status, caplog):
+    """Prompt 2 of 4 is refused while the others still wait in the engine's queue: the answer
+    is the refusal, and by the time it is sent every other prompt's stream has been closed
+    (the engine aborts them), with no "aclose(): asynchronous generator is already running"
+    (the close of a stream whose first-chunk wait still ran in another task failed so, and
+    the prompts ran on for the refused client)."""
+    caplog.set_level(logging.WARNING, logger="flotilla.serve.responses")
+    engine = SiblingEngine(refuse=2, refusal=refusal)
+    app = create_app(engine, None, ServeOptions(served_model_name=MODEL), SimpleNamespace())
+    body = {"model": MODEL, "prompt": [[1], [2], [3], [4]], "max_tokens": 4}
+
+    async def main():
+        http, _ = clients(app)
+        response = await http.post("/v1/completions", json=body, headers={"X-Request-Id": "sib"})
+        assert_envelope(response, status)
+        assert engine.closed == {0, 1, 2, 3}
+
+    run(main)
+    assert engine.groups == {("sib", 4)}  # one group: the engine admits all four or none
+    assert not [r for r in caplog.records if "already running" in r.getMessage()]
+
+
+def test_a_stream_whose_client_leaves_before_its_first_frame_closes_every_prompt():
+    """A streamed multi-prompt request whose client is gone before the first frame: the frames'
+    generator never starts (so its own ``finally`` never runs), yet every prompt's stream is
+    closed when the response ends (their pumps would otherwise read on)."""
+    engine = SiblingEngine(refuse=None, first_chunk=True)
+    app = create_app(engine, None, ServeOptions(served_model_name=MODEL), SimpleNamespace())
+    body = json.dumps({"model": MODEL, "prompt": [[1], [2], [3]], "max_tokens": 4, "stream": True}).encode()
+
+    async def main():
+        sent = []
+        parts = [body]
+
+        async def receive():
+            if parts:
+                return {"type": "http.request", "body": parts.pop(), "more_body": False}
+            return {"type": "http.disconnect"}  # NOTE: gone as soon as the body is read
+
+        async def send(message):
+            await asyncio.sleep(0)  # NOTE: a server's send may yield; the disconnect wins meanwhile
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+            "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+        }  # fmt: skip
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        assert engine.closed == {0, 1, 2}
+
+    run(main)
+
+
+def test_prompts_beyond_max_prompts_per_request_get_400_naming_prompt_before_any_reaches_the_engine():
+    engine = SiblingEngine(refuse=None)
+    app = create_app(engine, None, ServeOptions(served_model_name=MODEL, max_prompts_per_request=3), SimpleNamespace())
+
+    async def main():
+        http, _ = clients(app)
+        response = await http.post("/v1/completions", json={"model": MODEL, "prompt": [[1]] * 4, "max_tokens": 2})
+        error = assert_envelope(response, 400, "prompt")
+        assert "4 prompts" in error["message"] and "--max-prompts-per-request" in error["message"]
+        assert engine.groups == set()
+
+    run(main)
