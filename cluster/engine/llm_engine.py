@@ -40,7 +40,7 @@ from flotilla.cluster.engine.request import Request, RequestStatus
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.engine.schedule_policy import PriorityPolicy
-from flotilla.cluster.engine.scheduler import SchedulerConfig
+from flotilla.cluster.engine.scheduler import SchedulerConfig, UnschedulableRequestError
 from flotilla.cluster.models.sources import ModelSource, context_len_of
 from flotilla.resolution import ResolvedConfig
 
@@ -342,8 +342,8 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             return deltas
-        step = self.scheduler.schedule()
-        if step.is_empty:
+        step = self._schedule(deltas)
+        if step is None or step.is_empty:
             return deltas
         sampling = [item.request for item in step.scheduled if item.samples]
         rows = [self._sampling_row(self._sequences[r.request_id]) for r in sampling]
@@ -365,7 +365,7 @@ class LLMEngine:
         try:
             if self._inflight is not None and self._inflight.all_reach_max_tokens():
                 deltas += self._resolve_inflight()
-            step = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+            step = self._schedule(deltas) if self.scheduler.has_unfinished() else None
             if step is None or step.is_empty:
                 return deltas + self._resolve_inflight()
             sampling = [item.request for item in step.scheduled if item.samples]
@@ -381,6 +381,35 @@ class LLMEngine:
         # and requests they finished are skipped here.
         advanced = self.scheduler.update(step, dict.fromkeys((r.request_id for r in sampling), PENDING_TOKEN))
         self._inflight = InflightStep.launched(batch, sampling, advanced)
+        return deltas
+
+    def _schedule(self, deltas: list[CompletionDelta]) -> Any:
+        """``scheduler.schedule()``; None, with the request failed (its error deltas appended
+        to ``deltas``), when a request cannot be scheduled at all: admission fails that
+        request, never the engine."""
+        try:
+            return self.scheduler.schedule()
+        except UnschedulableRequestError as exc:
+            deltas += self._fail_request(exc.request_id, str(exc))
+            return None
+
+    def _fail_request(self, request_id: str, reason: str) -> list[CompletionDelta]:
+        """Finish every unfinished completion of the request owning the sequence
+        ``request_id`` with ``"error"`` (``RequestOutput.error`` says why); their blocks are freed."""
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            self.scheduler.abort(request_id)
+            return []
+        deltas = []
+        for sibling in seq.parent.sequences:
+            if sibling.completion.finish_reason is not None:
+                continue
+            self.scheduler.abort(sibling.request.request_id)
+            self._finish(sibling, "error", None)
+            sibling.parent.output.error = reason
+            delta = CompletionDelta(seq.parent.output.request_id, sibling.completion.index, [], "", None, "error", error=reason)
+            self._keep_for_stream(delta)
+            deltas.append(delta)
         return deltas
 
     def _resolve_inflight(self) -> list[CompletionDelta]:

@@ -22,6 +22,14 @@ running requests are ordered by (urgency, arrival), so the preemption victim is 
 urgent latest arrival, and a waiting request that does not fit may preempt running
 requests less urgent than it by more than the policy's threshold.
 
+Blocks held for a KV handoff (:meth:`Scheduler.hold_blocks`: a prefill engine keeps a
+finished prompt's KV for a decode engine to read) belong to no running request. When they
+fill the pool so that nothing runs and the head of the queue does not fit, ``schedule()``
+schedules nothing and :attr:`Scheduler.waiting_for_held_blocks` says so: the queue waits for
+:meth:`Scheduler.release_held_blocks` (the serving engine's leases end within their term).
+Only a request that could not run even with the whole pool free is an error
+(:class:`UnschedulableRequestError`, raised for that request alone).
+
 With a host tier (``num_host_blocks``, ``--enable-hierarchical-cache``) a preempted
 request's committed full blocks are copied to host memory first (``kv_offload``),
 and admission continues the prefix match there after the GPU cache's: the blocks
@@ -50,6 +58,16 @@ from flotilla.cluster.engine.block_manager import KVBlockPool
 from flotilla.cluster.engine.host_kv_tier import HostKVTier
 from flotilla.cluster.engine.request import Request, RequestStatus
 from flotilla.cluster.engine.schedule_policy import PriorityPolicy, check_policy, waiting_order
+
+
+class UnschedulableRequestError(RuntimeError):
+    """A waiting request cannot be scheduled even with the whole KV pool free (nothing runs,
+    nothing is held): a broken invariant, not a full pool. The engine fails this request
+    alone (``request_id``) and serves on."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -199,6 +217,9 @@ class Scheduler:
         self.host_tier = HostKVTier(config.num_host_blocks) if config.num_host_blocks else None
         # Block references kept past their request's end (hold_blocks), by request id.
         self._held: dict[str, list[int]] = {}
+        # The last schedule() admitted nothing because held blocks fill the pool (see
+        # waiting_for_held_blocks); cleared by anything that can change that.
+        self._blocked_on_held = False
         self._rng = random.Random(config.seed)
 
     # ---- queries -------------------------------------------------------------
@@ -218,6 +239,14 @@ class Scheduler:
         """The live (waiting or running) request with this id, if any."""
         return self._requests.get(request_id)
 
+    @property
+    def waiting_for_held_blocks(self) -> bool:
+        """Whether the last :meth:`schedule` scheduled nothing because blocks held by
+        :meth:`hold_blocks` fill the pool: nothing runs, and the head of the queue fits only
+        once some are released. Stepping again changes nothing until
+        :meth:`release_held_blocks`, :meth:`finish` or :meth:`add` (which clear it)."""
+        return self._blocked_on_held
+
     def max_tokens_per_request(self) -> int:
         """The most tokens (prompt + max_tokens) one request may need.
 
@@ -225,6 +254,10 @@ class Scheduler:
         always make progress by preempting the others; without chunked prefill its
         recompute must also fit one step's budget. The caller rejects (or caps
         ``max_tokens`` of) requests above it; :meth:`add` raises for them.
+
+        NOTE: blocks held for a KV handoff count as free here: holds end (the serving
+        engine's leases expire), so a request within this bound runs once they do; until
+        then it waits (:attr:`waiting_for_held_blocks`).
         """
         limit = self.pool.num_blocks * self.pool.block_size
         if not self.config.enable_chunked_prefill:
@@ -251,6 +284,7 @@ class Scheduler:
         self._next_arrival += 1
         self._requests[request.request_id] = request
         self.waiting.append(request)
+        self._blocked_on_held = False
 
     def finish(self, request_id: str, status: RequestStatus) -> bool:
         """End a live request with a finished ``status`` and free its blocks at once.
@@ -268,6 +302,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._release_blocks(request)
         request.status = status
+        self._blocked_on_held = False
         return True
 
     def abort(self, request_id: str) -> bool:
@@ -308,6 +343,7 @@ class Scheduler:
         blocks = self._held.pop(request_id, None)
         if blocks is not None:
             self.pool.free(blocks)
+            self._blocked_on_held = False
         return blocks
 
     def admit_prefilled(self, request_id: str, first_token: int) -> tuple[list[int], int] | None:
@@ -363,13 +399,21 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(item.num_new_tokens for item in out.scheduled)
+        self._blocked_on_held = False
         if out.is_empty and self.waiting and not self.running:
-            # NOTE: unreachable while add()'s bound holds and the engine finishes
-            # requests at max_tokens; raising beats an engine loop that never ends.
+            if self._held:
+                # NOTE: the pool is short only by held blocks (they belong to no running
+                # request); add()'s bound lets the head fit once they are released.
+                self._blocked_on_held = True
+                return out
+            # NOTE: unreachable while add()'s bound holds and the engine finishes requests
+            # at max_tokens; the engine fails this request, not its loop.
             head = self.waiting[0]
-            raise RuntimeError(
+            raise UnschedulableRequestError(
+                head.request_id,
                 f"request {head.request_id!r} needs {head.num_tokens} tokens of KV cache and cannot be scheduled "
-                f"even alone (limit {self.max_tokens_per_request()}); the engine must finish requests at max_tokens"
+                f"even with the whole pool free (limit {self.max_tokens_per_request()} tokens); shorten the "
+                f"prompt or lower max_tokens",
             )
         return out
 

@@ -13,7 +13,7 @@ import pytest
 
 from flotilla.cluster.engine.block_manager import KVBlockPool
 from flotilla.cluster.engine.request import Request, RequestStatus
-from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UnschedulableRequestError
 from helpers.prompts import ORACLE_VOCAB, reference_outputs
 from helpers.scheduler_harness import check_output, make, random_request, run_to_completion, shares, step
 
@@ -275,10 +275,69 @@ def test_a_request_that_cannot_fit_alone_raises_instead_of_looping():
     request = Request("a", [1] * 4, max_tokens=4)
     scheduler.add(request)
     # An engine that ignores max_tokens: the request outgrows the whole pool.
-    with pytest.raises(RuntimeError, match="even alone"):
+    with pytest.raises(UnschedulableRequestError, match="whole pool free") as raised:
         for _ in range(20):
             output = scheduler.schedule()
             scheduler.update(output, runner.execute(output))
+    assert raised.value.request_id == "a"
+
+
+def _hold_finished(scheduler, runner, request_id: str) -> list[int]:
+    """Step until ``request_id`` finishes, holding its blocks (a prefill engine's handoff)."""
+    for _ in range(100):
+        waiting_before = {r.request_id for r in scheduler.waiting}
+        output = scheduler.schedule()
+        check_output(scheduler, output, waiting_before)
+        for request in scheduler.update(output, runner.execute(output)):
+            if request.reached_max_tokens:
+                if request.request_id == request_id:
+                    scheduler.hold_blocks(request_id)
+                scheduler.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+        scheduler.check_invariants()
+        if scheduler.held_blocks(request_id) is not None:
+            return scheduler.held_blocks(request_id)
+    raise AssertionError(f"{request_id} did not finish")
+
+
+def test_held_blocks_that_fill_the_pool_make_the_queue_wait_not_fail():
+    # NOTE: a prefill engine's leased blocks belong to no running request: with them filling
+    # the pool, nothing runs and the head does not fit; it waits until a release.
+    scheduler, runner = make(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    for name, token in (("a", 1), ("b", 2)):
+        scheduler.add(Request(name, [token] * 13, max_tokens=1))  # 4 blocks each
+        _hold_finished(scheduler, runner, name)
+    assert scheduler.num_held_blocks == 8 and scheduler.pool.num_free_blocks == 0
+    c = Request("c", [3] * 9, max_tokens=1)
+    scheduler.add(c)
+    for _ in range(3):
+        assert scheduler.schedule().is_empty
+        assert scheduler.waiting_for_held_blocks and c.status is RequestStatus.WAITING
+        scheduler.check_invariants()
+    assert scheduler.release_held_blocks("a") is not None
+    assert not scheduler.waiting_for_held_blocks
+    assert shares(step(scheduler, runner)) == {"c": (0, 9)}
+    assert not scheduler.waiting_for_held_blocks
+    scheduler.release_held_blocks("b")
+    assert scheduler.pool.num_used_blocks == 0 and not scheduler.has_unfinished()
+
+
+def test_a_running_request_squeezed_out_by_held_blocks_waits_for_them():
+    # NOTE: chunked prefill admits a prompt by its first chunk; held blocks taken meanwhile can
+    # leave its next chunk no block: it preempts itself and waits, it does not fail.
+    scheduler, runner = make(num_blocks=8, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)
+    scheduler.add(Request("a", [1] * 15, max_tokens=1))  # 4 blocks, in two chunks
+    b = Request("b", [2] * 20, max_tokens=1)  # 5 blocks, in chunks of the budget's rest
+    scheduler.add(b)
+    _hold_finished(scheduler, runner, "a")  # a: 8 + 7 tokens; b: 1 token beside a's rest
+    assert len(b.block_ids) == 1 and scheduler.pool.num_free_blocks == 3
+    assert shares(step(scheduler, runner)) == {"b": (1, 8)}  # 2 more blocks: 1 left free
+    output = scheduler.schedule()  # b's next chunk needs 2: it preempts itself
+    assert output.is_empty and output.preempted == [b] and b.status is RequestStatus.PREEMPTED
+    assert scheduler.waiting_for_held_blocks
+    scheduler.check_invariants()
+    scheduler.release_held_blocks("a")
+    run_to_completion(scheduler, runner)
+    assert scheduler.pool.num_used_blocks == 0
 
 
 # ---- abort -----------------------------------------------------------------------------
