@@ -50,7 +50,11 @@ def test_paged_attention_equals_naive(paged_batch, kv_heads, sliding_window):
     for b, start, end in batch.new_token_ranges():
         k, v = contexts[b]
         expected = _naive(q[start:end], k, v, batch.cached_lens[b], sliding_window)
-        # fp32, contexts <= 13 keys, head dim 16: SDPA vs einsum reassociation stays ~1e-7.
+        # fp32, SDPA against einsum: the same sums in another order. A K-term sum of |terms|
+        # adding up to S moves by ~u * S (u = 2^-24 = 6e-8): scores sum 16 terms of |q||k| / 4
+        # (S <= 6: 4e-7), moving the output by about that times |v| <= 4; the values sum <= 13
+        # terms of p|v|. Measured <= 7e-7 on |out| <= 4 (MKL_CBWR, ATEN_CPU_CAPABILITY, 1-3
+        # threads) -> atol 1e-5. A wrong mask, window or slot moves outputs by O(0.1).
         torch.testing.assert_close(out[start:end], expected, rtol=0, atol=1e-5)
 
 

@@ -6,11 +6,14 @@ of its context), 5, 9 and 14 tokens prefilled in one ragged step, a second chunk
 them, then decode steps; local blocks of 2 tokens, so logical blocks of ``2 * dcp_size``
 and every sequence's positions cross several block boundaries. Blocks are shuffled.
 
-Tolerance: atol 1e-5 in float32. Each shard's attention is the same float32 computation
-over a subset of the keys; the merge rescales by exp(lse_shard - lse) and sums dcp_size
-parts, so outputs of magnitude ~10 (unit-normal latents through w_vc) move by ~1e-6. A key
-on the wrong rank, a wrong true position in the causal mask or a NaN from an empty shard
-moves them by O(0.1) or more.
+Tolerance: float32, atol 5e-5 on outputs, 1e-5 on the LSE. Each shard's attention is the same
+float32 computation over a subset of the keys, summed in another order; the merge rescales by
+exp(lse_shard - lse) and sums dcp_size parts. A K-term sum of |terms| adding up to S moves by
+~u * S when reassociated (u = 2^-24 = 6e-8): the values c @ w_vc have K = 16, S <= 22 (1.3e-6),
+and the score error (~u * 5) moves the output by about itself times |v| <= 14, the merge's
+rescaling likewise. Measured <= 2.9e-6 on |out| <= 16 and 5e-7 on the LSE (MKL_CBWR,
+ATEN_CPU_CAPABILITY, 1-3 threads). A key on the wrong rank, a wrong true position in the causal
+mask or a NaN from an empty shard moves them by O(0.1) or more.
 """
 
 import math
@@ -119,12 +122,12 @@ def test_dcp_local_mla_merged_equals_full_mla(dcp):
             outs.append(out)
             lses.append(lse)
         merged_out, merged_lse = merge_n(torch.stack(outs), torch.stack(lses))
-        torch.testing.assert_close(merged_out, full_out, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(merged_out, full_out, rtol=0, atol=5e-5, msg=lambda m: f"step {step}: {m}")
         torch.testing.assert_close(merged_lse, full_lse, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
         pairwise_out, pairwise_lse = outs[0], lses[0]
         for out, lse in zip(outs[1:], lses[1:]):
             pairwise_out, pairwise_lse = merge(pairwise_out, pairwise_lse, out, lse)
-        torch.testing.assert_close(pairwise_out, full_out, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(pairwise_out, full_out, rtol=0, atol=5e-5, msg=lambda m: f"step {step}: {m}")
     assert empty_shard_queries > 0  # the 1-token prompt's first query sees nothing on ranks >= 1
 
     # Every context token sits on exactly its owner rank, at its local slot.

@@ -26,9 +26,13 @@ def test_split_context_merges_to_full_attention():
     out_b, lse_b = _attend_v(q, k, v, ~shard)
     out, lse = get("merge_attention_states")(out_a, lse_a, out_b, lse_b)
     full_out, full_lse = _attend_v(q, k, v, torch.ones(L, dtype=torch.bool))
-    # fp32 softmax over 10 keys: rescaling by exp(lse_part - lse) adds a few ulps.
-    torch.testing.assert_close(out, full_out, rtol=0, atol=1e-6)
-    torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-6)
+    # fp32, the same scores (one einsum, then masked); the softmax sums, the 10-term value sums
+    # (sum p|v| <= 2.5: ~u * 2.5 = 1.5e-7, u = 2^-24) and the merge differ. The merge's
+    # exp(lse_part - lse) carries the rounding of |lse| <= 5 (~2u * 5 = 6e-7 relative) into
+    # |out| <= 1.5: <= 9e-7. Measured <= 2.4e-7 on both (MKL_CBWR, ATEN_CPU_CAPABILITY, 1-3
+    # threads) -> atol 2e-6. A missing or doubled shard moves them by O(0.1).
+    torch.testing.assert_close(out, full_out, rtol=0, atol=2e-6)
+    torch.testing.assert_close(lse, full_lse, rtol=0, atol=2e-6)
 
 
 def test_empty_shard_contributes_nothing():

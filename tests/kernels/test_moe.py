@@ -14,9 +14,18 @@ from flotilla.kernels.moe import select_experts
 from flotilla.kernels.registry import get
 
 HIDDEN, INTER, TOKENS = 32, 16, 24
-# fp32: the same matmuls per expert; only the accumulation order over a token's k experts
-# (and float32 vs HF's model-dtype accumulation) differs: a few ulps of |out| (up to ~50 here).
-ATOL, RTOL = 1e-5, 1e-5
+# fp32, the same per-expert matmuls as HF's blocks, blocked and summed in another order (GEMM
+# kernel, thread split, order over a token's k experts). A K-term fp32 sum of |terms| adding up
+# to S moves by ~u * S when reassociated, K * u * S at worst (u = 2^-24 = 6e-8). Each output here
+# sums 16 terms with S <= 175 (over routes, w * sum_j |h_j||w2_j|; |out| <= 130) after 32-term
+# sums into h: ~1e-5 typical, 1.7e-4 worst; measured <= 1.5e-5 (MKL_CBWR, ATEN_CPU_CAPABILITY,
+# 1-3 threads). The error follows S, not each output (a small output can come from large terms),
+# so the bound is absolute: atol 1e-4. A wrong expert, routing weight or activation moves outputs
+# of this size by O(1).
+ATOL, RTOL = 1e-4, 0
+# Routing is compared exactly. The closest last-chosen / first-unchosen router logits of these
+# blocks are 2.3e-3 apart (group and biased-sigmoid scores: >= 6.9e-4), against <= 32 * u *
+# sum|x||w_gate| ~ 4e-5 of rounding in the 32-term router GEMM: no route hinges on a near-tie.
 
 
 def _randomize(module):
@@ -131,7 +140,9 @@ def test_expert_map_splits_work_across_ranks():
         expert_map = torch.full((num_experts,), -1)
         expert_map[held] = torch.arange(len(held))
         partial += fused_moe(x, w13[held], w2[held], weights, ids, expert_map=expert_map)
-    torch.testing.assert_close(partial, full, rtol=1e-5, atol=1e-4)
+    # The same per-expert products on the same tokens; only the order of adding a token's two
+    # routes can differ: <= 1 ulp of |out| <= 500 (3e-5).
+    torch.testing.assert_close(partial, full, rtol=0, atol=1e-4)
     nothing = fused_moe(x, w13[:0], w2[:0], weights, ids, expert_map=torch.full((num_experts,), -1))
     assert torch.equal(nothing, torch.zeros_like(full))
 
@@ -143,7 +154,13 @@ def test_gelu_activation_and_bad_arguments():
     ids, weights = torch.tensor([[1], [0], [1]]), torch.ones(3, 1)
     out = get("fused_moe")(x, w13, w2, weights, ids, activation="gelu_tanh")
     gate, up = (x[0] @ w13[1].t()).chunk(2)
-    torch.testing.assert_close(out[0], (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ w2[1].t())
+    # fp32, a [1, 32] matvec here against fused_moe's [2, 32] GEMM, then 16-term sums with
+    # S = sum|h||w2| <= 263 (unit-normal weights, |out| <= 232): ~u * S = 1.6e-5 plus the first
+    # GEMM's error carried through h; measured <= 3.8e-5 (6.4e-5 on scalar ATen kernels), worst
+    # case 16 * u * S = 2.5e-4 -> atol 3e-4. Exact instead of tanh GELU moves these outputs by
+    # 1.5e-2, silu by 5.7.
+    expected = (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ w2[1].t()
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=3e-4)
     with pytest.raises(ValueError, match="activation"):
         get("fused_moe")(x, w13, w2, weights, ids, activation="relu2")
     with pytest.raises(ValueError, match="scoring"):
