@@ -7,10 +7,15 @@ steps after a prefill, chunked prefill mixed with decode, and greedy continuatio
 
 Tolerance: atol 1e-4 in float32. Both sides use the same weights; what differs is
 the order of floating-point sums (merged q/k/v and gate/up GEMMs, attention over
-padded paged context with a mask instead of HF's per-sequence attention), which
-moves float32 logits by ~1e-6 here. The weights are re-drawn at unit scale so
-logits are O(1..10) and attention is far from uniform: a wrong mask, position or
-weight mapping moves logits by far more than 1e-4.
+padded paged context with a mask instead of HF's per-sequence attention). The weights
+are re-drawn at unit scale so logits reach ~60 and attention is far from uniform; two
+layers of reassociated float32 sums move those logits by up to 2e-5 (measured with
+MKL_CBWR, ATEN_CPU_CAPABILITY and 1-3 threads; ~3e-7 of their size), while a wrong mask,
+position or weight mapping moves them by far more than 1e-4.
+
+Greedy tokens are compared with HF's ``generate``: every token chosen here leads the
+runner-up by more than 2 * ATOL (``helpers.margins.greedy_token``; the smallest lead is
+6e-3), so a choice cannot flip while the logits agree within ATOL.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from flotilla.cluster.models.base import ModelConfig
 from flotilla.cluster.models.llama import rope_settings
 from flotilla.cluster.models.registry import model_class
 from flotilla.kernels.attention import AttentionMetadata
+from helpers.margins import greedy_token
 
 ATOL = 1e-4
 VOCAB = 96
@@ -199,15 +205,16 @@ def test_chunked_prefill_mixed_with_decode_matches_hf(pair):
 
 def test_greedy_continuations_match_hf_generate(pair):
     hf, ours = pair
-    prompts = _prompts([6, 11], seed=3)
+    # NOTE: seed 3 gave qwen2-sliding a 9.6e-5 near-tie, within float32 noise of HF's logits.
+    prompts = _prompts([6, 11], seed=11)
     new_tokens = 12
     runner = PagedRunner(ours, len(prompts), 32)
     out = runner.step(dict(enumerate(prompts)))
-    generated = {b: [int(out[b][-1].argmax())] for b in out}
+    generated = {b: [greedy_token(out[b][-1], 2 * ATOL)] for b in out}
     for _ in range(new_tokens - 1):
         out = runner.step({b: [generated[b][-1]] for b in generated})
         for b in out:
-            generated[b].append(int(out[b][0].argmax()))
+            generated[b].append(greedy_token(out[b][0], 2 * ATOL))
     for b, prompt in enumerate(prompts):
         with torch.no_grad():
             # NOTE: an explicit attention mask, or generate masks prompt tokens equal to pad_token_id.
