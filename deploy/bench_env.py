@@ -243,8 +243,8 @@ def versions() -> dict[str, str | None]:
 
 def provenance() -> dict[str, Any]:
     """What a benchmark result needs to be traced and repeated: the git commit and dirty flag,
-    the date (UTC, ISO 8601), the exact command line and working directory, the machine and
-    the library versions."""
+    the date it was written (UTC, ISO 8601), the exact command line and working directory, the
+    machine and the library versions."""
     return {
         "git": git_state(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
