@@ -201,8 +201,9 @@ SHAPES = {
 }
 
 
-def test_bundled_shapes_are_the_four():
-    assert shape_names() == sorted(SHAPES)
+def test_bundled_shapes_include_the_four():
+    # NOTE: the GLM shapes' sizes are checked in tests/cluster/models/test_bench_shapes.py.
+    assert set(SHAPES) <= set(shape_names())
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
