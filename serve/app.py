@@ -264,9 +264,12 @@ def engine_deployment_options(
         name=name,
         num_replicas=replicas,
         max_ongoing_requests=engine_capacity(config, options) + ONGOING_HEADROOM,
-        # NOTE: only reached when no replica can take a request (all at the bound above,
-        # or restarting); Serve then raises BackPressureError, which becomes a 429.
-        max_queued_requests=int(options.max_queued_requests) * replicas,
+        # NOTE: reached when no replica can take a request (all at the bound above, or
+        # restarting), or by a burst of calls waiting for their replica at once; Serve then
+        # raises BackPressureError, which becomes a 429. The prompts of one request arrive
+        # as such a burst: room for --max-prompts-per-request of them, so that the engine
+        # replicas decide on the request whole.
+        max_queued_requests=int(options.max_queued_requests) * replicas + int(options.max_prompts_per_request),
         ray_actor_options=actor,
         request_router_config=RequestRouterConfig(
             request_router_class=router_class_path(router),
