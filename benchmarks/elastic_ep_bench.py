@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     from flotilla.serve.elastic_ep import joiner_fields
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ray.init(include_dashboard=False, num_cpus=4, log_to_driver=False, configure_logging=False)
+    # NOTE: address="local": a cluster of its own, even where another process's cluster runs here.
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, configure_logging=False)
     rounds = []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(SHAPE))

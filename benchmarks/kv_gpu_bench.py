@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     gpus = 1 if opts.device == "cuda" else 0
     env = {k: os.environ[k] for k in ("UCX_NET_DEVICES", "UCX_TLS") if k in os.environ}
-    ray.init(num_cpus=4, num_gpus=2 * gpus, include_dashboard=False, runtime_env={"env_vars": env})
+    # NOTE: address="local": a cluster of its own, even where another process's cluster runs here.
+    ray.init(address="local", num_cpus=4, num_gpus=2 * gpus, include_dashboard=False, runtime_env={"env_vars": env})
     host = _host_class().options(num_gpus=gpus, num_cpus=1)
     results: dict = {"shape": opts.shape, "prompts": opts.prompts, "input_len": opts.input_len,
                      "output_len": opts.output_len, "dtype": opts.dtype, "device": opts.device}
