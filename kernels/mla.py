@@ -47,6 +47,7 @@ def mla_attention(
     scale: float,
     return_lse: bool = False,
     local: DCPLocalView | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal MLA of the new tokens over their whole paged latent context (with ``local``:
     over one DCP rank's shard of it).
@@ -68,6 +69,9 @@ def mla_attention(
             (blocks of ``local.meta.block_size``), only the new tokens ``local.write_index``
             are written (at ``local.meta.slot_mapping``), and ``local.mask`` (true positions)
             decides what each query sees. ``meta`` is then unused.
+        keep: ``[B, max_query_len, L]`` bool (``L``: the context length attended, the local one
+            with ``local``): attend only where it is True, on top of causality (DeepSeek sparse
+            attention's top-k selection, see :mod:`flotilla.kernels.dsa`); None: every key.
 
     Returns ``[T, H, Dv]`` in ``q_nope.dtype`` (computed in float32), or ``(out, lse)``. A
     query that sees no key (a DCP shard holding none of its context) gets ``out = 0`` and
@@ -103,6 +107,8 @@ def mla_attention(
     q_rope = pad_queries(q_pe.float(), meta)  # [B, Q, H, Dr]
     scores = torch.einsum("bqhr,blr->bhql", q_latent, latents)
     scores = (scores + torch.einsum("bqhd,bld->bhql", q_rope, rope_keys)) * scale
+    if keep is not None:
+        mask = mask & keep
     mask = mask.unsqueeze(1)  # [B, 1, Q, L]
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, Q]; -inf where a query sees nothing

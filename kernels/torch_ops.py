@@ -2,6 +2,7 @@
 
 from flotilla.kernels import activation  # noqa: F401
 from flotilla.kernels import attention  # noqa: F401
+from flotilla.kernels import dsa  # noqa: F401
 from flotilla.kernels import merge  # noqa: F401
 from flotilla.kernels import mla  # noqa: F401
 from flotilla.kernels import moe  # noqa: F401

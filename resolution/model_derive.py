@@ -257,6 +257,32 @@ def index_topk_pattern(cfg: Mapping[str, Any]) -> str | None:
     return "".join(_INDEXER_TYPE_LETTERS[t] for t in types)
 
 
+def dsa_indexer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Each DSA layer's indexer mode, ``full`` (runs the indexer) or ``shared`` (reuses the
+    previous full layer's top-k; GLM-5's IndexShare): the top-k sharing pattern
+    (:func:`index_topk_pattern`: ``index_topk_pattern``, else ``indexer_types``), else the
+    ``index_topk_freq`` / ``index_skip_topk_offset`` schedule as transformers derives GLM-5's
+    ``indexer_types`` (layer ``i`` is full when ``max(i - offset + 1, 0) % freq == 0``; offset 2 by
+    default; every layer full at freq 1). ValueError for a pattern of the wrong length or with
+    letters other than ``F`` / ``S``, or one whose first layer is shared."""
+    pattern = index_topk_pattern(cfg)
+    if pattern is not None:
+        letters = {letter: kind for kind, letter in _INDEXER_TYPE_LETTERS.items()}
+        if len(pattern) != num_layers or set(pattern) - set(letters):
+            raise ValueError(
+                f"the DSA top-k sharing pattern {pattern!r} must have one F (full) or S (shared) per layer "
+                f"({num_layers} layers)"
+            )
+        types = tuple(letters[c] for c in pattern)
+    else:
+        freq = max(int(cfg.get("index_topk_freq") or 1), 1)
+        offset = int(cfg.get("index_skip_topk_offset", 2) if cfg.get("index_skip_topk_offset") is not None else 2)
+        types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
+    if types and types[0] != "full":
+        raise ValueError(f"the DSA top-k sharing pattern starts with a shared layer, which has no top-k to reuse: {pattern!r}")
+    return types
+
+
 def uses_mamba_radix_cache(cfg: Mapping[str, Any]) -> bool:
     """Whether the model's prefix caching routes through the mamba radix cache."""
     arches = cfg.get("architectures") or []

@@ -281,6 +281,34 @@ def _check_installed(backends: KernelBackends, available: Callable[[str], bool])
         raise ValueError(f"{setting} needs {module}, which is not installed on this machine: {install}, or {instead}")
 
 
+# The DSA fields and what each asks for: flotilla's DSA ops have the torch reference only
+# (flotilla.kernels.dsa); the CUDA kernels the seeds name there are not built yet.
+DSA_FIELDS = ("dsa_prefill_backend", "dsa_decode_backend", "dsa_topk_backend")
+# Values that ask for the torch reference (resolution's CPU choice; sgl-kernel is the top-k default,
+# which the reference stands in for wherever attention runs the reference).
+TORCH_DSA_NAMES = frozenset({"torch", "sgl-kernel"})
+
+
+def dsa_backend_for(config: Any, backends: KernelBackends) -> str:
+    """The kernel backend of the DeepSeek sparse attention ops (``dsa_indexer``,
+    ``dsa_sparse_mla``) for a DSA model (DeepSeek-V3.2, GLM-5) under the resolved ``config``.
+
+    The torch reference wherever the attention family runs the reference (CPU, float32, or
+    ``--attention-backend torch_native`` on CUDA): the DSA fields then name ``torch`` (what
+    resolution gives on the ``cpu`` platform) or a CUDA kernel the reference stands in for, as the
+    attention fields do. With CUDA attention kernels a CUDA DSA kernel would be needed, which is not
+    built: ValueError naming the field and value."""
+    fields = [(name, getattr(config, name, None)) for name in DSA_FIELDS]
+    if backends.attention == TORCH:
+        return TORCH
+    name, value = next(((n, v) for n, v in fields if v is not None and v not in TORCH_DSA_NAMES), fields[0])
+    raise ValueError(
+        f"{name}={value!r}: flotilla runs DeepSeek sparse attention on its torch reference only (the CUDA "
+        f"sparse-MLA and indexer kernels are not built yet), and {backends.chosen_by.get('attention', 'attention')} "
+        f"runs CUDA attention kernels; use --attention-backend torch_native (or --dtype float32) for the reference"
+    )
+
+
 def load_kernel_backends(backends: KernelBackends, registry: Any) -> None:
     """Import every non-torch backend's registry modules now (one op of each family), so a
     library that is installed but broken fails at start. ValueError names the setting."""

@@ -28,7 +28,7 @@ from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.cluster.engine.host_kv_store import HostKVStore
 from flotilla.cluster.engine.host_kv_tier import host_kv_blocks
 from flotilla.cluster.engine.input_staging import InputStaging, device_index
-from flotilla.cluster.engine.kernel_backends import has_experts, kernel_backends_for, load_kernel_backends
+from flotilla.cluster.engine.kernel_backends import dsa_backend_for, has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
 from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv_attachable
 from flotilla.cluster.engine.request import Request
@@ -47,6 +47,7 @@ from flotilla.cluster.models.sources import ModelSource, load_model, resolve_dty
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
 from flotilla.resolution import ResolvedConfig
+from flotilla.resolution.model_derive import is_deepseek_dsa
 
 # KV cache capacity on CPU when --max-total-tokens is not given.
 DEFAULT_CPU_KV_TOKENS = 8192
@@ -143,6 +144,8 @@ class ModelRunner:
             config, dtype, moe_model=has_experts(source.config_dict), fp8_model=fp8_model
         )
         load_kernel_backends(self.backends, registry)
+        # NOTE: a DSA model's sparse attention ops (DeepSeek-V3.2, GLM-5): the torch reference.
+        self.dsa_backend = dsa_backend_for(config, self.backends) if is_deepseek_dsa(source.config_dict) else None
         self.model = load_model(
             source,
             dtype,
@@ -155,6 +158,7 @@ class ModelRunner:
             num_redundant_experts=int(config.ep_num_redundant_experts or 0),
             expert_placements=expert_placements,
             fp8_backend=self.backends.fp8,
+            dsa_backend=self.dsa_backend or "torch",
         )
         if pack_weights and self.device.type == "cpu":
             pack_linear_layers(self.model)
@@ -174,7 +178,7 @@ class ModelRunner:
         if dcp_size > 1 and not any(getattr(m, "supports_dcp", False) for m in self.model.modules()):
             raise NotImplementedError(
                 f"dcp_size={dcp_size} is not supported for {type(self.model).__name__}: decode context "
-                f"parallelism shards the MLA latent cache (DeepSeek-V2/V3) only; use dcp_size=1"
+                f"parallelism shards the MLA latent cache (DeepSeek-V2/V3/V3.2, GLM-5) only; use dcp_size=1"
             )
         block_size = block_size_for(config)  # per rank: the local block size under DCP
         row_bytes = spec.bytes_per_token()
@@ -251,6 +255,7 @@ class ModelRunner:
             "graph_batch_sizes": list(graph_sizes),
             "graphs_off_reason": self.graphs_off_reason,
             "kernel_backends": self.backends.as_dict(),
+            "dsa_backend": self.dsa_backend,
             "kv_blocks": num_blocks,
             "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         }
@@ -260,7 +265,8 @@ class ModelRunner:
         ``warmup_s`` (one eager prefill and a sample on the scratch block: kernel JIT and
         library set-up land here, not in the first request), ``graph_capture_s``,
         ``graph_batch_sizes`` (captured decode sizes; empty when off), ``graphs_off_reason``
-        (None when on), ``kernel_backends``, ``kv_blocks``, ``kv_cache_dtype`` (what the
+        (None when on), ``kernel_backends``, ``dsa_backend`` (a DSA model's sparse attention ops;
+        None for other models), ``kv_blocks``, ``kv_cache_dtype`` (what the
         cache stores, e.g. ``float8_e4m3fn``), ``host_kv_blocks`` and ``host_kv_alloc_s`` (the
         host tier of ``--enable-hierarchical-cache``: 0 blocks when off)."""
         return dict(self._startup)

@@ -134,6 +134,8 @@ class ModelConfig:
         fp8_backend: name of the kernel backend of op ``fp8_block_linear``, which the block-FP8
             linear layers of an FP8 checkpoint run on (``"torch"``, ``"triton"``); the FP8
             routed experts run op ``fp8_grouped_moe`` of ``moe_backend``.
+        dsa_backend: name of the kernel backend of the DeepSeek sparse attention ops
+            (``dsa_indexer``, ``dsa_sparse_mla``) of DeepSeek-V3.2 / GLM-5 (``"torch"``).
     """
 
     hf: Mapping[str, Any]
@@ -145,6 +147,7 @@ class ModelConfig:
     num_redundant_experts: int = 0
     expert_placements: Mapping[int, Any] = field(default_factory=dict)
     fp8_backend: str = "torch"
+    dsa_backend: str = "torch"
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.hf.get(key, default)
@@ -162,6 +165,11 @@ class KVCacheSpec:
     shape ``[num_blocks, block_size, *shape]`` (e.g. K and V of ``(num_kv_heads, head_dim)``;
     MLA: one latent tensor of ``(1, kv_lora_rank + rope_dim)``) in ``dtype``.
 
+    ``layer_tensors``, when given, is each layer's own tuple of shapes instead (``num_layers``
+    of them; ``tensors_per_layer`` is then layer 0's): DeepSeek sparse attention keeps its
+    indexer keys ``(1, index_head_dim)`` beside the latent in the layers that run an indexer
+    only.
+
     A model reports its own dtype; the runner allocates in the dtype ``--kv-cache-dtype``
     resolves to (``dataclasses.replace(spec, dtype=...)``; float8 for MHA/GQA, see
     :mod:`flotilla.cluster.engine.kv_cache_dtype`), and ``bytes_per_token`` follows it."""
@@ -169,15 +177,24 @@ class KVCacheSpec:
     num_layers: int
     tensors_per_layer: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    layer_tensors: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_tensors is not None and len(self.layer_tensors) != self.num_layers:
+            raise ValueError(f"layer_tensors lists {len(self.layer_tensors)} layers, expected num_layers={self.num_layers}")
+
+    def shapes(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Every layer's tensor shapes (per token), in layer order."""
+        return self.layer_tensors if self.layer_tensors is not None else (self.tensors_per_layer,) * self.num_layers
 
     def bytes_per_token(self) -> int:
-        elems = sum(int(torch.Size(shape).numel()) for shape in self.tensors_per_layer)
-        return elems * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
+        elems = sum(int(torch.Size(shape).numel()) for layer in self.shapes() for shape in layer)
+        return elems * torch.tensor([], dtype=self.dtype).element_size()
 
     def allocate(self, num_blocks: int, block_size: int, device: str | torch.device = "cpu") -> list[tuple[torch.Tensor, ...]]:
         return [
-            tuple(torch.zeros(num_blocks, block_size, *shape, dtype=self.dtype, device=device) for shape in self.tensors_per_layer)
-            for _ in range(self.num_layers)
+            tuple(torch.zeros(num_blocks, block_size, *shape, dtype=self.dtype, device=device) for shape in layer)
+            for layer in self.shapes()
         ]
 
 

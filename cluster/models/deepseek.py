@@ -196,20 +196,44 @@ class MLAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple, meta: AttentionMetadata
     ) -> torch.Tensor:
+        q_nope, q_pe, kv_c, k_pe, _ = self.project(positions, x)
+        (latent_cache,) = kv_cache
+        return self.attend(q_nope, q_pe, kv_c, k_pe, latent_cache, meta)
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(q_nope[T, H, Dn], q_pe[T, H, Dr], kv_c[T, R], k_pe[T, Dr], q_resid)``: this rank's
+        query heads, the new tokens' normalised latent and rotated shared key, and the normalised
+        query LoRA activation ``q_a_layernorm(q_a_proj(x))`` (None without a query LoRA; the DSA
+        indexer reads it)."""
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
-        (latent_cache,) = kv_cache
+        return q_nope, q_pe, kv_c, k_pe, q_resid
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        **sparse,
+    ) -> torch.Tensor:
+        """Attention of the projected tokens and ``o_proj``: ``[T, hidden]`` (``sparse``: the
+        extra arguments of a sparse attention op, passed on)."""
         if self.dcp_size == 1:
-            out = self._attend(q_nope, q_pe, kv_c, k_pe, latent_cache, meta, self.w_kc, self.w_vc, self.scale)
+            out = self._attend(q_nope, q_pe, kv_c, k_pe, latent_cache, meta, self.w_kc, self.w_vc, self.scale, **sparse)
         else:
-            out = self._attend_dcp(q_nope, q_pe, kv_c, k_pe, latent_cache, meta)
+            out = self._attend_dcp(q_nope, q_pe, kv_c, k_pe, latent_cache, meta, **sparse)
         # NOTE: explicit width: an idle DP-attention rank runs zero tokens, where -1 is ambiguous.
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.v_dim))
 
@@ -221,6 +245,7 @@ class MLAttention(nn.Module):
         k_pe: torch.Tensor,
         cache: torch.Tensor,
         meta: AttentionMetadata,
+        **sparse,
     ) -> torch.Tensor:
         """DCP attention for this rank's own heads ``[T, num_heads, Dv]`` (see the class docstring)."""
         if q_nope.shape[0] == 0:
@@ -230,11 +255,24 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         local = dcp_local_view(meta, self.dcp_size, self.dcp_rank)
         out, lse = self._attend(
-            q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_kc, self.w_vc, self.scale, return_lse=True, local=local
-        )
+            q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_kc, self.w_vc, self.scale, return_lse=True, local=local,
+            **sparse,
+        )  # fmt: skip
         if self.dcp_exchange == "ag_rs":
             return dcp_combine_ag_rs(out, lse, self.dcp_comm)
         return dcp_combine_a2a(out, lse, self.dcp_comm, self._merge_n)
+
+
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    """Whether decoder layer ``index`` routes experts: ``mlp_layer_types[index] == "sparse"`` when
+    the config lists them (transformers 5's DeepSeek-V3.2 / GLM-5 configs), else from
+    ``first_k_dense_replace`` and ``moe_layer_freq``."""
+    if cfg.get("n_routed_experts") is None:
+        return False
+    types = cfg.get("mlp_layer_types")
+    if types:
+        return types[index] == "sparse"
+    return index >= cfg.get("first_k_dense_replace", 0) and index % cfg.get("moe_layer_freq", 1) == 0
 
 
 class DeepseekMoE(nn.Module):
@@ -308,16 +346,19 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
         rotary = RotaryEmbedding(
             cfg.get("qk_rope_head_dim"), max_position, base, scaling, is_neox, backend=cfg.elementwise_backend
         )
-        first_dense = cfg.get("first_k_dense_replace", 0)
-        freq = cfg.get("moe_layer_freq", 1)
+        self.rotary = rotary
         self.num_layers = cfg.get("num_hidden_layers")
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}"
-            if cfg.get("n_routed_experts") is not None and i >= first_dense and i % freq == 0:
+            if is_moe_layer(cfg, i):
                 mlp: nn.Module = DeepseekMoE(cfg, scoring, correction_bias, grouped, layer_index=i, prefix=f"{prefix}.mlp")
             else:
                 mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"), prefix=f"{prefix}.mlp")
-            self.layers.append(DecoderLayer(cfg, MLAttention(cfg, rotary, prefix=f"{prefix}.self_attn"), mlp))
+            self.layers.append(self.decoder_layer(cfg, i, mlp))
+
+    def decoder_layer(self, cfg: ModelConfig, index: int, mlp: nn.Module) -> nn.Module:
+        """Decoder layer ``index`` around ``mlp`` (MLA here; the DSA models override it)."""
+        return DecoderLayer(cfg, MLAttention(cfg, self.rotary, prefix=f"model.layers.{index}.self_attn"), mlp)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         width = self.config.get("kv_lora_rank") + self.config.get("qk_rope_head_dim")

@@ -12,6 +12,7 @@ _DENSE = "flotilla.cluster.models.llama"
 _MOE = "flotilla.cluster.models.moe_models"
 _DEEPSEEK = "flotilla.cluster.models.deepseek"
 _GLM4_MOE = "flotilla.cluster.models.glm4_moe"
+_DSA = "flotilla.cluster.models.dsa"
 
 # architecture -> (module, class name)
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -23,7 +24,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": (_MOE, "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": (_DEEPSEEK, "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": (_DEEPSEEK, "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": (_DSA, "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": (_GLM4_MOE, "Glm4MoeForCausalLM"),
+    "GlmMoeDsaForCausalLM": (_DSA, "GlmMoeDsaForCausalLM"),
 }
 
 

@@ -189,6 +189,7 @@ def load_model(
     num_redundant_experts: int = 0,
     expert_placements: Mapping[int, Any] | None = None,
     fp8_backend: str = "torch",
+    dsa_backend: str = "torch",
 ):
     """Build the model for ``source``'s architecture and load its weights (this rank's
     shard under ``parallel``).
@@ -197,8 +198,8 @@ def load_model(
     ``"dummy"`` (deterministic random weights, see :mod:`flotilla.cluster.models.dummy_weights`).
     ``num_redundant_experts`` adds that many physical slots to every MoE layer (copies of
     logical experts, placed by :func:`flotilla.cluster.eplb.trivial_placement`).
-    ``attention_backend``, ``elementwise_backend``, ``moe_backend`` and ``fp8_backend`` name
-    the kernel backends of the model's ops (see :class:`~flotilla.cluster.models.base.ModelConfig`).
+    ``attention_backend``, ``elementwise_backend``, ``moe_backend``, ``fp8_backend`` and
+    ``dsa_backend`` name the kernel backends of the model's ops (see :class:`~flotilla.cluster.models.base.ModelConfig`).
 
     A block-FP8 checkpoint (see :mod:`~flotilla.cluster.models.fp8_config`) loads its quantized
     projections as FP8 layers, for the architectures whose class says ``loads_block_fp8``;
@@ -229,6 +230,7 @@ def load_model(
         num_redundant_experts=num_redundant_experts,
         expert_placements=dict(expert_placements or {}),
         fp8_backend=fp8_backend,
+        dsa_backend=dsa_backend,
     )
     with torch.device(device):
         model = cls(config)

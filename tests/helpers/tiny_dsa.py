@@ -22,6 +22,12 @@ from pathlib import Path
 
 import torch
 
+from flotilla.cluster.models.dsa import DSAIndexer
+from flotilla.kernels.attention import causal_context_mask, gather_kv, pad_queries
+from flotilla.kernels.dsa import index_scores
+from helpers.tiny_fp8 import randomize
+from helpers.tiny_glm import randomize_correction_bias
+
 BLOCK = 128
 FP8_MAX = 448.0
 # Checkpoint names of what DeepSeek's FP8 checkpoints quantize.
@@ -75,3 +81,108 @@ def save_fp8_twin(model, root: Path) -> tuple[Path, Path]:
     config["quantization_config"] = fp8_quantization_config()
     (fp8_dir / "config.json").write_text(json.dumps(config))
     return fp8_dir, dequant_dir
+
+
+# --- DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) ---------------------------------------
+
+# DSA at test size: MLA as DeepSeek-V3 (4 heads, so attention TP 2 / DCP 2 split them), 8 experts
+# top-2 in 2 groups with a shared expert (EP up to 4), the first layer dense; the indexer keeps
+# index_topk = 8 tokens per query, so the prompts of the tests (up to 45 tokens) attend to a
+# fraction of their context. NOTE: 16 indexer heads: a token's score is exactly 0 only when all 16
+# heads' ReLU clip it (chance 2**-16 per pair), so exact ties at the top-k boundary do not occur.
+TINY_DSA = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=256,
+    index_topk=8,
+    index_head_dim=16,
+    index_n_heads=16,
+)
+# GLM-5's IndexShare at test size: layers 1 and 3 reuse the previous full layer's top-k.
+GLM5_PATTERN = "FSFS"
+# The weights' seed of each test model, chosen so that every top-k boundary the tests meet (the
+# paged and engine flows of tests/cluster/models/test_dsa.py, whose prompts the parallel-layout
+# tests reuse) is at least 1e-4 wide (SelectionMargins measured >= 1.4e-4 for both), 25x the
+# largest difference between HF's index scores and ours (4e-6 on scores of magnitude ~3).
+SEEDS = {"deepseek_v32": 2, "glm5": 3}
+# The prompts of the engine flows (a mixed batch; the longest spans two 64-token DSA pages).
+ENGINE_PROMPT_LENS = (9, 20, 70)
+
+
+def tiny_dsa(arch: str, seed: int | None = None, **overrides):
+    """The seeded HF model (float32, eval) of :data:`TINY_DSA`: ``arch`` is ``deepseek_v32``
+    (DeepseekV32ForCausalLM) or ``glm5`` (GlmMoeDsaForCausalLM with :data:`GLM5_PATTERN`).
+    Unit-scale weights (``helpers.tiny_fp8.randomize``) and a drawn correction bias; ``seed``
+    defaults to the arch's :data:`SEEDS` entry."""
+    seed = SEEDS[arch] if seed is None else seed
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    settings = {**TINY_DSA, **overrides}
+    if arch == "deepseek_v32":
+        config = DeepseekV32Config(**settings)
+        model_cls = DeepseekV32ForCausalLM
+    elif arch == "glm5":
+        config = GlmMoeDsaConfig(**{"index_topk_pattern": GLM5_PATTERN, **settings})
+        model_cls = GlmMoeDsaForCausalLM
+    else:
+        raise ValueError(f"unknown DSA test model {arch!r}")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize(model, seed)
+    randomize_correction_bias(model, seed)
+    return model
+
+
+def save_tiny_dsa(path: Path, arch: str, seed: int | None = None, **overrides):
+    """Save :func:`tiny_dsa` to ``path`` (safetensors, per-expert tensors); returns the HF model."""
+    model = tiny_dsa(arch, seed, **overrides)
+    model.save_pretrained(path)
+    return model
+
+
+class SelectionMargins:
+    """Records, for every indexer call of a flotilla DSA model, the smallest gap between the last
+    selected and the first unselected score of any query that sees more tokens than it keeps:
+    the test's evidence that no selection hinges on float32 noise (HF's scores and ours differ by
+    summation order only, ~1e-6). ``attach(model)`` installs it; ``smallest`` is the minimum seen."""
+
+    def __init__(self):
+        self.smallest = float("inf")
+
+    def attach(self, model) -> "SelectionMargins":
+        for module in model.modules():
+            if isinstance(module, DSAIndexer):
+                module.observer = self
+        return self
+
+    def __call__(self, indexer, q, weights, index_cache, meta, local) -> None:
+        if local is not None or q.shape[0] == 0:
+            return
+        keys, _ = gather_kv(index_cache, meta)
+        scores = index_scores(pad_queries(q, meta), pad_queries(weights, meta), keys.squeeze(2), indexer.scale)
+        scores = scores.masked_fill(~causal_context_mask(meta), float("-inf"))
+        width = indexer.topk
+        if scores.shape[-1] <= width:
+            return
+        best = scores.topk(width + 1, dim=-1).values
+        contested = ~torch.isneginf(best[..., width])
+        if bool(contested.any()):
+            gaps = (best[..., width - 1] - best[..., width])[contested]
+            self.smallest = min(self.smallest, float(gaps.min()))

@@ -10,6 +10,7 @@ from flotilla.resolution.rules.overrides import providers  # noqa: F401  (regist
 from flotilla.resolution.rules.overrides import (
     allreduce,
     arch_checks,
+    cpu_dsa,
     deepseek_branch,
     deepseek_passes,
     deepseek_v4_branch,
@@ -33,6 +34,8 @@ STEPS: list = [
     # The DeepSeek / MLA / DSA branch.
     deepseek_branch.dsa_dense_attention_threshold,
     deepseek_branch.dsa_prefill_cp_graph,
+    # NOTE: flotilla's CPU deviation (torch reference DSA) before the GPU-only DSA passes.
+    cpu_dsa.cpu_reference_dsa,
     # NOTE: the DSA kv-cache dtype reads the checkpoint's quantization before
     # _deepseek_moe_quant_resolution declares it, and the split backends read
     # the dtype this pass settles.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from flotilla.resolution.engine import ensure, reject, rule
 from flotilla.resolution.rules.common import env_flag
+from flotilla.resolution.rules.overrides.cpu_dsa import reference_dsa_platform
 from flotilla.resolution.rules.overrides.support import (
     DEEPSEEK_BRANCH_ARCHS,
     hf_quant_config,
@@ -23,11 +24,14 @@ _TRTLLM_MOE_QUANTS = ("fp8", "modelopt_fp8", "modelopt_fp4", "modelopt_mixed", N
 
 
 def _dsa_on_gpu(model, platform) -> bool:
+    # NOTE: flotilla's deviation: on the cpu platform DSA resolves to the torch reference
+    # (rules/overrides/cpu_dsa.py) instead of reaching the CUDA probe below.
     return (
         model.architecture in DEEPSEEK_BRANCH_ARCHS
         and is_deepseek_dsa(model)
         and not platform.is_npu
         and not platform.is_xpu
+        and not reference_dsa_platform(model, platform)
     )
 
 

@@ -1,4 +1,4 @@
-"""The GLM-4.x and DSA shapes of ``flotilla bench --shape`` (deploy/bench_shapes/): each resolves
+"""The GLM-4.x, DeepSeek-V3.2 and GLM-5 shapes of ``flotilla bench --shape`` (deploy/bench_shapes/): each resolves
 for an H200, has the published size, and flotilla's model class builds it with random
 weights: every tensor of the HF checkpoint (``--load-format dummy`` generates exactly those)
 lands on a parameter of its shape. The build runs on the meta device (no memory) with the layer
@@ -26,6 +26,8 @@ SHAPES = {
     "glm-4.5": (352.8, 33.6),
     "glm-4.5-air": (106.9, 13.4),
     "glm-4.6": (352.8, 33.6),
+    "deepseek-v3.2": (671.9, 38.4),
+    "glm-5": (743.9, 41.8),
 }
 
 
@@ -53,6 +55,9 @@ def test_shape_resolves_for_h200_with_its_published_size(name):
 def test_random_weights_of_the_shape_land_on_flotillas_model(name):
     config = dict(shape_config(name))
     config["num_hidden_layers"] = int(config.get("first_k_dense_replace", 0)) + 1
+    # NOTE: the bfloat16 build (a published FP8 shape's FP8 layers are tests/cluster/models/
+    # test_fp8_deepseek.py's; random FP8 weights are drawn on a real device, not the meta one).
+    config.pop("quantization_config", None)
     with torch.device("meta"):
         model = model_class(architecture_of(config))(ModelConfig(hf=config, dtype=torch.bfloat16))
         weights = ((n, torch.empty(s, device="meta")) for n, s in hf_tensor_shapes(config).items())
