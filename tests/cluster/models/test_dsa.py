@@ -22,6 +22,7 @@ from flotilla import LLM, SamplingParams
 from flotilla.cluster.models.base import ModelConfig
 from flotilla.cluster.models.dsa import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from flotilla.cluster.models.registry import model_class
+from flotilla.resolution import ModelFacts
 from helpers.paged import PagedRunner
 from helpers.prompts import random_prompts
 from helpers.tiny_dsa import ENGINE_PROMPT_LENS, SelectionMargins, save_tiny_dsa, tiny_dsa
@@ -121,3 +122,21 @@ def test_engine_greedy_equals_hf_through_chunks_preemption_and_the_prefix_cache(
     again = llm.generate([prompts[2]], GREEDY)[0]
     assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == expected[2]
     assert margins.smallest >= MIN_MARGIN, f"a top-k boundary is {margins.smallest:.2e} wide: reseed the fixture"
+
+
+def test_the_runtime_builds_the_resolved_pattern():
+    """The model's layers follow the pattern resolution derives (ModelFacts.index_topk_pattern)
+    from GLM-5.2's indexer_types, with index_topk_pattern null as that checkpoint ships it."""
+    tiny = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=6,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, max_position_embeddings=64, index_topk=4, index_head_dim=8, index_n_heads=2,
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", index_topk_pattern=None,
+        indexer_types=["full", "full", "shared", "full", "shared", "shared"],
+    )  # fmt: skip
+    facts = ModelFacts.from_hf_config(tiny)
+    with torch.device("meta"):
+        model = GlmMoeDsaForCausalLM(ModelConfig(hf=tiny))
+    built = "".join("F" if layer.self_attn.indexer is not None else "S" for layer in model.layers)
+    assert built == facts.index_topk_pattern == "FFSFSS"
