@@ -9,7 +9,8 @@ construct it directly. Inside Serve:
   and frees its KV blocks.
 - ``record_routing_stats`` is polled by Serve; the dict (a :class:`ReplicaLoad`'s fields)
   reaches the request router as ``RunningReplica.routing_stats``.
-- ``check_health`` raises once the engine died, so Serve replaces the replica.
+- ``check_health`` raises once the engine died, so Serve replaces the replica; ``health``
+  answers the same state at once (with the reason) for the ingress's pool watches.
 - Every :data:`~flotilla.serve.metrics.PUSH_INTERVAL_S` a background task pushes the
   replica's metrics to the namespace's :class:`~flotilla.serve.metrics.MetricsHub`, where
   the ingress collects them (:func:`~flotilla.serve.metrics.collect_metrics_text`).
@@ -266,6 +267,14 @@ class EngineReplica:
     async def is_healthy(self) -> bool:
         """False when the engine is dead (for ``/health``)."""
         return self.engine.healthy
+
+    async def health(self) -> dict[str, Any]:
+        """``healthy``, ``reason`` (why not: the engine's death or shutdown; None when healthy),
+        ``replica_id`` and ``pool``: what the ingress's pool watches probe. Answers at once
+        (it reads the engine's state; nothing waits on the engine thread)."""
+        healthy = self.engine.healthy
+        reason = None if healthy else (self.engine.dead_reason or "the engine was shut down")
+        return {"healthy": healthy, "reason": reason, "replica_id": self.replica_id, "pool": self.pool}
 
     async def describe(self) -> dict[str, Any]:
         """What this replica is, for operators and tests: ``replica_id``, ``pool``, ``tp_size``,

@@ -421,8 +421,11 @@ def test_colocated_replicas_refuse_pd_calls(model_dir):
         with pytest.raises(RuntimeError, match="pool 'colocated'.*pool='prefill'"):
             asyncio.run(replica.prefill(request([3, 4, 5])))
         assert replica.kv_peer_id is None and replica.engine.metrics.pool == "colocated"
+        assert asyncio.run(replica.health()) == {"healthy": True, "reason": None, "replica_id": "c0", "pool": "colocated"}
     finally:
         replica.shutdown()
+    # NOTE: what the ingress's pool watches read: the state and why, at once.
+    assert asyncio.run(asyncio.wait_for(replica.health(), 1.0))["reason"] == "the engine was shut down"
     with pytest.raises(ValueError, match="pool='mixed'"):
         EngineReplica(config, ServeOptions(model=str(model_dir)), pool="mixed", replica_id="x")
 
