@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import torch
 
+# The engine's float32 log-probs differ from HF's, and one layout's from another's (packed
+# weights, chunked and batched steps, preemption, TP/DP/EP reduction order), by <= 6e-6 on the
+# tiny test models (measured over test_llm's architectures and the tiny Llama; |logits| <= 5).
+# A greedy choice that leads the runner-up by more than twice that cannot flip between them;
+# ENGINE_MIN_LEAD leaves 4x on top.
+ENGINE_MIN_LEAD = 5e-5
+
 
 def topk_margin(scores: torch.Tensor, k: int = 1) -> float:
     """The smallest gap, over every row of ``scores[..., n]``, between the k-th and the

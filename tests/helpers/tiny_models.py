@@ -6,13 +6,17 @@ from pathlib import Path
 
 import torch
 
+from helpers.margins import topk_margin
+
 
 def save_tiny_llama(path: Path, vocab_size: int = 256, seed: int = 0):
     """Save a seeded tiny random Llama to ``path`` (safetensors); returns the HF model.
 
-    NOTE: initializer_range 0.2 (not HF's 0.02) spreads the logits, so greedy choices are
-    decided by margins far above float32 summation-order noise (~1e-6), including the
-    reduction-order differences of a sharded (tensor-parallel) model.
+    NOTE: initializer_range 0.2 (not HF's 0.02) spreads the logits (|logits| <= ~5), so
+    greedy choices are decided by margins far above float32 summation-order noise (<= 6e-6,
+    ``helpers.margins.ENGINE_MIN_LEAD``), including the reduction-order differences of a
+    sharded (tensor-parallel) model: over the engine tests' prompts the smallest lead of a
+    greedy token over the runner-up is 1.7e-4 (asserted for ``tiny_llama_prompts``).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,10 +54,20 @@ def word_token_ids(text: str) -> list[int]:
     return [int(word[1:]) for word in text.split()]
 
 
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], new_tokens: int, min_lead: float | None = None) -> list[int]:
     """HF's greedy continuation with end-of-sequence switched off: ``ignore_eos`` semantics
-    (``min_new_tokens`` would instead forbid the eos token and change the choice)."""
+    (``min_new_tokens`` would instead forbid the eos token and change the choice).
+
+    With ``min_lead`` (``helpers.margins.ENGINE_MIN_LEAD`` for a comparison with the engine),
+    asserts that every chosen token leads the runner-up by more than it, so the tokens it is
+    compared with cannot differ by a near-tie."""
     model.generation_config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(prompt) :].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    if min_lead is not None:
+        lead = topk_margin(torch.cat(out.logits))
+        assert lead > min_lead, f"greedy near-tie in HF's continuation: a lead of {lead:.3g} <= {min_lead:.3g}"
+    return out.sequences[0, len(prompt) :].tolist()

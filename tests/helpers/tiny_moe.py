@@ -35,9 +35,12 @@ def save_tiny_qwen3_moe(path: Path, seed: int = 0):
     Layers 0 and 2 are sparse (8 experts, top-2, renormalised), layer 1 dense.
 
     NOTE: initializer_range 0.2 (not HF's 0.02) spreads the logits, so greedy choices are
-    decided by margins far above float32 summation-order noise (~1e-6), including the
-    reduction-order differences of a sharded (tensor- or expert-parallel) model; it spreads the
-    router logits the same way, so no expert choice hinges on a near-tie.
+    decided by margins far above float32 summation-order noise (<= 6e-6,
+    ``helpers.margins.ENGINE_MIN_LEAD``), including the reduction-order differences of a
+    sharded (tensor- or expert-parallel) model: the smallest greedy lead measured over the EP
+    and elastic tests' prompts is 2.7e-3. It spreads the router logits the same way: the
+    closest last-chosen / first-unchosen experts are 1.9e-4 apart in routing probability,
+    against ~1.5e-6 of rounding (6e-6 on logits times p(1 - p) <= 1/4).
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

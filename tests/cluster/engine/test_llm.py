@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flotilla import LLM, SamplingParams
+from helpers.margins import ENGINE_MIN_LEAD
 from helpers.tiny_models import hf_greedy, save_tiny_llama
 from helpers.torch_threads import one_intra_op_thread
 
@@ -33,7 +34,7 @@ def tiny_llama(tmp_path_factory):
     model = save_tiny_llama(path)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in PROMPT_LENS]
-    expected = [hf_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
+    expected = [hf_greedy(model, prompt, NEW_TOKENS, min_lead=ENGINE_MIN_LEAD) for prompt in prompts]
     return path, prompts, expected
 
 
@@ -172,7 +173,7 @@ def test_every_architecture_greedy_equals_hf_through_the_engine(arch, tmp_path):
     hf.save_pretrained(tmp_path)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (7, 20, 45)]
-    expected = [hf_greedy(hf, p, 32) for p in prompts]
+    expected = [hf_greedy(hf, p, 32, min_lead=ENGINE_MIN_LEAD) for p in prompts]
     llm = LLM(str(tmp_path), chunked_prefill_size=16, max_total_tokens=128)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
