@@ -34,6 +34,7 @@ from flotilla.cluster.models.layers import ColumnParallelLinear, RowParallelLine
 from flotilla.cluster.models.fp8_linear import ParallelLinears
 from flotilla.cluster.models.fp8_moe import routed_experts
 from flotilla.cluster.models.moe_layer import MoERouter
+from flotilla.cluster.models.mtp import MTPHost
 from flotilla.cluster.models.moe_models import (
     DecoderLayer,
     DecoderOnlyLM,
@@ -266,11 +267,11 @@ class MLAttention(nn.Module):
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
     """Whether decoder layer ``index`` routes experts: ``mlp_layer_types[index] == "sparse"`` when
     the config lists them (transformers 5's DeepSeek-V3.2 / GLM-5 configs), else from
-    ``first_k_dense_replace`` and ``moe_layer_freq``."""
+    ``first_k_dense_replace`` and ``moe_layer_freq`` (also for MTP layers, past the list)."""
     if cfg.get("n_routed_experts") is None:
         return False
     types = cfg.get("mlp_layer_types")
-    if types:
+    if types and index < len(types):
         return types[index] == "sparse"
     return index >= cfg.get("first_k_dense_replace", 0) and index % cfg.get("moe_layer_freq", 1) == 0
 
@@ -347,14 +348,20 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
             cfg.get("qk_rope_head_dim"), max_position, base, scaling, is_neox, backend=cfg.elementwise_backend
         )
         self.rotary = rotary
+        self.routing = (scoring, correction_bias, grouped)
         self.num_layers = cfg.get("num_hidden_layers")
         for i in range(self.num_layers):
-            prefix = f"model.layers.{i}"
-            if is_moe_layer(cfg, i):
-                mlp: nn.Module = DeepseekMoE(cfg, scoring, correction_bias, grouped, layer_index=i, prefix=f"{prefix}.mlp")
-            else:
-                mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"), prefix=f"{prefix}.mlp")
-            self.layers.append(self.decoder_layer(cfg, i, mlp))
+            self.layers.append(self.build_layer(cfg, i))
+
+    def build_layer(self, cfg: ModelConfig, index: int) -> nn.Module:
+        """Decoder layer ``index`` (a checkpoint index: past the last decoder layer, an MTP
+        layer's block)."""
+        prefix = f"model.layers.{index}.mlp"
+        if is_moe_layer(cfg, index):
+            mlp: nn.Module = DeepseekMoE(cfg, *self.routing, layer_index=index, prefix=prefix)
+        else:
+            mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"), prefix=prefix)
+        return self.decoder_layer(cfg, index, mlp)
 
     def decoder_layer(self, cfg: ModelConfig, index: int, mlp: nn.Module) -> nn.Module:
         """Decoder layer ``index`` around ``mlp`` (MLA here; the DSA models override it)."""
@@ -392,7 +399,11 @@ class _DeepseekForCausalLM(DecoderOnlyLM):
     def hf_target(self, name: str) -> Any:
         layer = _LAYER_INDEX.match(name)
         if layer and int(layer.group(1)) >= self.num_layers:
-            return None  # V3's multi-token-prediction layers (speculative decoding; not served yet)
+            return None  # MTP layers the config does not count (MTPHost loads those it does)
+        return self.layer_target(name)
+
+    def layer_target(self, name: str) -> Any:
+        """:meth:`hf_target` for a tensor of any decoder layer index (MTP blocks included)."""
         if name.endswith(".self_attn.kv_b_proj.weight"):
             prefix = name.removeprefix("model.")[: -len("kv_b_proj.weight")]
             return [(prefix + "w_kc", None), (prefix + "w_vc", None)]
@@ -409,9 +420,10 @@ class DeepseekV2ForCausalLM(_DeepseekForCausalLM):
         super().__init__(cfg, is_neox=False, scoring=scoring, correction_bias=False, grouped=grouped)
 
 
-class DeepseekV3ForCausalLM(_DeepseekForCausalLM):
+class DeepseekV3ForCausalLM(MTPHost, _DeepseekForCausalLM):
     """DeepSeek-V3 / R1: RoPE interleaved unless ``rope_interleave`` is false; sigmoid
-    routing with ``e_score_correction_bias`` (``topk_method="noaux_tc"``) over expert groups."""
+    routing with ``e_score_correction_bias`` (``topk_method="noaux_tc"``) over expert groups;
+    the checkpoint's MTP layers load into the draft module (:mod:`~flotilla.cluster.models.mtp`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(

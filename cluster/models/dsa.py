@@ -29,6 +29,7 @@ from torch import nn
 from flotilla.cluster.models.base import KVCacheSpec, ModelConfig
 from flotilla.cluster.models.deepseek import MLAttention, _DeepseekForCausalLM, _replicated
 from flotilla.cluster.models.moe_models import DecoderLayer, RotaryEmbedding
+from flotilla.cluster.models.mtp import MTPHost
 from flotilla.kernels import registry
 from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.dcp import dcp_local_view
@@ -152,8 +153,10 @@ class DSADecoderLayer(DecoderLayer):
         return self.mlp(x), residual, selected
 
 
-class _DSAForCausalLM(_DeepseekForCausalLM):
-    """The DSA decoder (see the module docstring); subclasses choose the indexer's RoPE layout."""
+class _DSAForCausalLM(MTPHost, _DeepseekForCausalLM):
+    """The DSA decoder (see the module docstring); subclasses choose the indexer's RoPE layout.
+    The checkpoint's MTP layers (each a full DSA layer) load into the draft module
+    (:mod:`~flotilla.cluster.models.mtp`)."""
 
     indexer_neox = True
 
@@ -171,7 +174,9 @@ class _DSAForCausalLM(_DeepseekForCausalLM):
         return dsa_indexer_types(self.config.hf, int(self.config.get("num_hidden_layers")))
 
     def decoder_layer(self, cfg: ModelConfig, index: int, mlp: nn.Module) -> nn.Module:
-        shared = self.indexer_types()[index] == "shared"
+        types = self.indexer_types()
+        # NOTE: an MTP layer's block (past the decoder) runs its own indexer.
+        shared = index < len(types) and types[index] == "shared"
         attn = DSAttention(cfg, self.rotary, f"model.layers.{index}.self_attn", shared, self.indexer_neox)
         return DSADecoderLayer(cfg, attn, mlp)
 

@@ -23,6 +23,47 @@ FP8 = torch.float8_e4m3fn
 _WEIGHT, _SCALE = ".weight", ".weight_scale_inv"
 
 
+class Fp8Pairing:
+    """The pairing behind :func:`dequantize_on_load`, one tensor at a time (for a loader that
+    is handed tensors rather than iterating a stream): :meth:`push` returns what to load now,
+    :meth:`finish` raises for what never paired."""
+
+    def __init__(self, keeps_fp8: Callable[[str], bool]):
+        self.keeps_fp8 = keeps_fp8
+        self._weights: dict[str, torch.Tensor] = {}
+        self._scales: dict[str, torch.Tensor] = {}
+
+    def push(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors to load now for ``(name, tensor)``: itself, the dequantized weight once
+        both halves of a pair arrived, or nothing while one is held."""
+        if name.endswith(_WEIGHT) and tensor.dtype == FP8 and not self.keeps_fp8(name[: -len(_WEIGHT)]):
+            module = name[: -len(_WEIGHT)]
+            scale = self._scales.pop(module, None)
+            if scale is None:
+                self._weights[module] = tensor
+                return []
+            return [(name, dequantize_block_fp8(tensor, scale))]
+        if name.endswith(_SCALE) and not self.keeps_fp8(name[: -len(_SCALE)]):
+            module = name[: -len(_SCALE)]
+            weight = self._weights.pop(module, None)
+            if weight is None:
+                self._scales[module] = tensor
+                return []
+            return [(module + _WEIGHT, dequantize_block_fp8(weight, tensor))]
+        return [(name, tensor)]
+
+    def finish(self) -> None:
+        """ValueError naming the modules whose weight or scale never arrived."""
+        problems = [f"{m}.weight has no weight_scale_inv" for m in sorted(self._weights)]
+        problems += [f"{m}.weight_scale_inv has no float8 {m}.weight" for m in sorted(self._scales)]
+        if problems:
+            raise ValueError(
+                f"the FP8 checkpoint is incomplete: {'; '.join(problems[:5])}"
+                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+                + ": every quantized <module>.weight needs its <module>.weight_scale_inv"
+            )
+
+
 def dequantize_on_load(
     weights: Iterable[tuple[str, torch.Tensor]], keeps_fp8: Callable[[str], bool]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -31,30 +72,7 @@ def dequantize_on_load(
     ``model.layers.0.self_attn.kv_b_proj``) replaced by its dequantized float32 weight, and its
     ``weight_scale_inv`` consumed. ValueError, after the stream ends, naming the modules whose
     weight or scale never arrived."""
-    held_weights: dict[str, torch.Tensor] = {}
-    held_scales: dict[str, torch.Tensor] = {}
+    pairing = Fp8Pairing(keeps_fp8)
     for name, tensor in weights:
-        if name.endswith(_WEIGHT) and tensor.dtype == FP8 and not keeps_fp8(name[: -len(_WEIGHT)]):
-            module = name[: -len(_WEIGHT)]
-            scale = held_scales.pop(module, None)
-            if scale is None:
-                held_weights[module] = tensor
-            else:
-                yield name, dequantize_block_fp8(tensor, scale)
-        elif name.endswith(_SCALE) and not keeps_fp8(name[: -len(_SCALE)]):
-            module = name[: -len(_SCALE)]
-            weight = held_weights.pop(module, None)
-            if weight is None:
-                held_scales[module] = tensor
-            else:
-                yield module + _WEIGHT, dequantize_block_fp8(weight, tensor)
-        else:
-            yield name, tensor
-    problems = [f"{m}.weight has no weight_scale_inv" for m in sorted(held_weights)]
-    problems += [f"{m}.weight_scale_inv has no float8 {m}.weight" for m in sorted(held_scales)]
-    if problems:
-        raise ValueError(
-            f"the FP8 checkpoint is incomplete: {'; '.join(problems[:5])}"
-            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
-            + ": every quantized <module>.weight needs its <module>.weight_scale_inv"
-        )
+        yield from pairing.push(name, tensor)
+    pairing.finish()

@@ -10,7 +10,8 @@ optional q/k RMSNorm, DeepSeek-V3-style MoE.
   renormalised (``norm_topk_prob``), scaled by ``routed_scaling_factor``, plus
   ``n_shared_experts`` always-on experts (:class:`~flotilla.cluster.models.deepseek.DeepseekMoE`).
 - Loads block-FP8 checkpoints (GLM-4.5-FP8: projections, shared and routed experts in FP8).
-- The ``num_nextn_predict_layers`` MTP layers after the decoder are skipped.
+- The ``num_nextn_predict_layers`` MTP layers after the decoder load into the draft module
+  (:mod:`~flotilla.cluster.models.mtp`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 from flotilla.cluster.models.base import ModelConfig
 from flotilla.cluster.models.deepseek import DeepseekMoE
 from flotilla.cluster.models.llama import rope_settings as dense_rope_settings
+from flotilla.cluster.models.mtp import MTPHost
 from flotilla.cluster.models.moe_models import (
     GQA_STACKED_PARAMS,
     DecoderLayer,
@@ -47,7 +49,7 @@ def glm4_rotary(cfg: ModelConfig) -> RotaryEmbedding:
     )
 
 
-class Glm4MoeForCausalLM(_GQAMoELM):
+class Glm4MoeForCausalLM(MTPHost, _GQAMoELM):
     """GLM-4.5/4.6/4.7 (see the module docstring)."""
 
     loads_block_fp8 = True
@@ -55,26 +57,29 @@ class Glm4MoeForCausalLM(_GQAMoELM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        rotary = glm4_rotary(cfg)
-        hidden = cfg.get("hidden_size")
-        first_dense = int(cfg.get("first_k_dense_replace", 1))
+        self.rotary = glm4_rotary(cfg)
         self.num_layers = int(cfg.get("num_hidden_layers"))
-        qk_norm = bool(cfg.get("use_qk_norm", False))
         for i in range(self.num_layers):
-            prefix = f"model.layers.{i}"
-            if cfg.get("n_routed_experts") and i >= first_dense:
-                mlp = DeepseekMoE(
-                    cfg, "sigmoid", correction_bias=True, grouped=True, layer_index=i, prefix=f"{prefix}.mlp"
-                )
-            else:
-                mlp = GatedMLP(cfg, hidden, cfg.get("intermediate_size"), prefix=f"{prefix}.mlp")
-            attn = GQAttention(
-                cfg, rotary, qk_norm=qk_norm, sliding_window=None, prefix=f"{prefix}.self_attn", o_bias=False
-            )
-            self.layers.append(DecoderLayer(cfg, attn, mlp))
+            self.layers.append(self.build_layer(cfg, i))
+
+    def build_layer(self, cfg: ModelConfig, index: int) -> DecoderLayer:
+        """Decoder layer ``index`` (a checkpoint index: past the last decoder layer, an MTP
+        layer's block)."""
+        prefix = f"model.layers.{index}"
+        if cfg.get("n_routed_experts") and index >= int(cfg.get("first_k_dense_replace", 1)):
+            mlp = DeepseekMoE(cfg, "sigmoid", correction_bias=True, grouped=True, layer_index=index, prefix=f"{prefix}.mlp")
+        else:
+            mlp = GatedMLP(cfg, cfg.get("hidden_size"), cfg.get("intermediate_size"), prefix=f"{prefix}.mlp")
+        qk_norm = bool(cfg.get("use_qk_norm", False))
+        attn = GQAttention(cfg, self.rotary, qk_norm=qk_norm, sliding_window=None, prefix=f"{prefix}.self_attn", o_bias=False)
+        return DecoderLayer(cfg, attn, mlp)
 
     def hf_target(self, name: str):
         layer = _LAYER_INDEX.match(name)
         if layer and int(layer.group(1)) >= self.num_layers:
-            return None  # the MTP layers (see the module docstring)
+            return None  # MTP layers the config does not count (MTPHost loads those it does)
+        return self.layer_target(name)
+
+    def layer_target(self, name: str):
+        """:meth:`hf_target` for a tensor of any decoder layer index (MTP blocks included)."""
         return super().hf_target(name)

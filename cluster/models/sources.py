@@ -252,4 +252,7 @@ def load_model(
         model.load_weights(weights)
     if fp8 is not None:
         check_fp8_scales_loaded(model)
+    draft = getattr(model, "mtp", None)
+    if draft is not None:
+        draft.check_loaded()  # NOTE: the checkpoint's MTP layers, complete (see models/mtp.py)
     return model.eval()

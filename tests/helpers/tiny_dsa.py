@@ -56,13 +56,16 @@ def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q.view(rows * BLOCK, cols * BLOCK)[:n, :k].contiguous(), scale, dequant.contiguous()
 
 
-def save_fp8_twin(model, root: Path) -> tuple[Path, Path]:
+def save_fp8_twin(model, root: Path, extra: dict[str, torch.Tensor] | None = None) -> tuple[Path, Path]:
     """Save HF ``model`` as ``root/fp8`` (block FP8, see the module docstring) and
-    ``root/dequant`` (the same weights dequantized, float32); returns both paths."""
+    ``root/dequant`` (the same weights dequantized, float32); returns both paths. ``extra``:
+    checkpoint tensors to add (an MTP layer's, :func:`mtp_checkpoint_tensors`), quantized alike."""
     from safetensors.torch import load_file, save_file
 
     dequant_dir, fp8_dir = root / "dequant", root / "fp8"
     model.save_pretrained(dequant_dir)
+    if extra:
+        add_checkpoint_tensors(dequant_dir, extra)
     fp8_dir.mkdir(parents=True)
     for path in dequant_dir.iterdir():
         if path.suffix != ".safetensors":
@@ -186,3 +189,52 @@ class SelectionMargins:
         if bool(contested.any()):
             gaps = (best[..., width - 1] - best[..., width])[contested]
             self.smallest = min(self.smallest, float(gaps.min()))
+
+
+# --- MTP layers in the checkpoint layout ----------------------------------------------------
+
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def mtp_checkpoint_tensors(main, layers: dict[str, torch.Tensor], first: int) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of MTP layers given as transformers' ``MtpModel`` state
+    (``layers.<k>.enorm.weight``, ``layers.<k>.mtp_block.<decoder layer>``, ``layers.<k>.post_norm``):
+    named as DeepSeek's checkpoints name them (``model.layers.<first + k>.enorm.weight``, the block's
+    tensors directly under the layer with one tensor per expert matrix, ``shared_head.norm``), plus
+    the layer's copies of the main model's embedding and LM head (``embed_tokens``,
+    ``shared_head.head``)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in layers.items():
+        match = re.match(r"^layers\.(\d+)\.(.+)$", name)
+        if match is None:
+            continue  # the shared embedding and head of the MtpModel
+        index, rest = first + int(match.group(1)), match.group(2)
+        prefix = f"model.layers.{index}."
+        out.setdefault(prefix + "embed_tokens.weight", main.get_input_embeddings().weight.detach().clone())
+        out.setdefault(prefix + "shared_head.head.weight", main.lm_head.weight.detach().clone())
+        if rest.startswith("post_norm."):
+            out[prefix + "shared_head.norm." + rest[len("post_norm.") :]] = tensor
+            continue
+        rest = rest.removeprefix("mtp_block.")
+        stacked = _STACKED_EXPERTS.match(rest)
+        if stacked is None:
+            out[prefix + rest] = tensor
+            continue
+        experts, kind = stacked.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}{experts}.{e}.down_proj.weight"] = tensor[e].contiguous()
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                out[f"{prefix}{experts}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}{experts}.{e}.up_proj.weight"] = up.contiguous()
+    return out
+
+
+def add_checkpoint_tensors(model_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add ``tensors`` to the (single) safetensors file of ``model_dir``."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = model_dir.glob("*.safetensors")
+    merged = {**load_file(file), **{k: v.detach().contiguous() for k, v in tensors.items()}}
+    save_file(merged, str(file), metadata={"format": "pt"})
