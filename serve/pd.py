@@ -269,9 +269,10 @@ class PDEngineClient:
         self._decode_prefilled = decode.options(stream=True, method_name="generate_prefilled")
         self._metrics_timeout_s = metrics_timeout_s
         self._background: set[asyncio.Future] = set()
+        prefill_health, decode_health = prefill.options(method_name="health"), decode.options(method_name="health")
         self.pools = {
-            PREFILL_DEPLOYMENT: PoolWatch(PREFILL_DEPLOYMENT, lambda: _awaited(call(prefill.options(method_name="health")))),
-            DECODE_DEPLOYMENT: PoolWatch(DECODE_DEPLOYMENT, lambda: _awaited(call(decode.options(method_name="health")))),
+            PREFILL_DEPLOYMENT: PoolWatch(PREFILL_DEPLOYMENT, lambda: _awaited(call(prefill_health))),
+            DECODE_DEPLOYMENT: PoolWatch(DECODE_DEPLOYMENT, lambda: _awaited(call(decode_health))),
         }
 
     def _watch(self) -> PoolWatch:
@@ -343,7 +344,8 @@ class PDEngineClient:
         else:
             # NOTE: the pool went down while the call waited for (or on) a replica.
             self._abandon_prefill(response, pending)
-            error = EngineUnavailableError(f"the prefill pool has no healthy replica ({self.pools[PREFILL_DEPLOYMENT].reason})")
+            reason = self.pools[PREFILL_DEPLOYMENT].reason
+            error = EngineUnavailableError(f"the prefill pool has no healthy replica ({reason})")
         if isinstance(error, (ValueError, EngineOverloadedError)):
             raise error from None
         self.pools[PREFILL_DEPLOYMENT].probe_soon()

@@ -407,7 +407,8 @@ class LLMEngine:
             self.scheduler.abort(sibling.request.request_id)
             self._finish(sibling, "error", None)
             sibling.parent.output.error = reason
-            delta = CompletionDelta(seq.parent.output.request_id, sibling.completion.index, [], "", None, "error", error=reason)
+            index = sibling.completion.index
+            delta = CompletionDelta(seq.parent.output.request_id, index, [], "", None, "error", error=reason)
             self._keep_for_stream(delta)
             deltas.append(delta)
         return deltas

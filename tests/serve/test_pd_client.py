@@ -87,11 +87,14 @@ def request(request_id="r", max_tokens=4) -> GenerateRequest:
 
 def ticket(req: GenerateRequest) -> PrefillTicket:
     chunk = GenerateChunk(req.request_id, [CompletionChunk(0, [7], "x")])
-    return PrefillTicket(req.request_id, f"{req.request_id}~0", "p0", "peer", [], req.prompt_token_ids, 7, [0], "length", chunk, 30.0)
+    return PrefillTicket(
+        req.request_id, f"{req.request_id}~0", "p0", "peer", [], req.prompt_token_ids, 7, [0], "length", chunk, 30.0
+    )
 
 
 def chunk(req: GenerateRequest, token: int, finished=False) -> GenerateChunk:
-    return GenerateChunk(req.request_id, [CompletionChunk(0, [token], "y", finish_reason="length" if finished else None)], finished=finished)
+    completion = CompletionChunk(0, [token], "y", finish_reason="length" if finished else None)
+    return GenerateChunk(req.request_id, [completion], finished=finished)
 
 
 class Pools:
