@@ -127,7 +127,8 @@ def create_app(
             config's ``context_length``).
     """
     ingress = _Ingress(engine, tokenizer, options, config, max_model_len)
-    app = FastAPI(title="flotilla", docs_url=None, redoc_url=None, openapi_url=None)
+    # NOTE: no redirects for a trailing slash: the Location would echo the client's Host header.
+    app = FastAPI(title="flotilla", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(_Observer, ingress=ingress, echo_request_id=echo_request_id)
 
     @app.post("/v1/chat/completions")
@@ -282,8 +283,6 @@ async def read_json(request: Request, limit: int, timeout_s: float | None = None
                 if size > limit:
                     raise too_large
                 parts.append(part)
-    except ClientDisconnect:
-        raise bad_request("the client disconnected while sending the body") from None
     except TimeoutError:
         expected = f"of the {declared} declared " if declared is not None and declared.isdigit() else ""
         raise APIError(
@@ -457,6 +456,8 @@ class _Ingress:
             return await handler(request)
         except APIError as err:
             return error_response(err)
+        except ClientDisconnect:
+            raise  # NOTE: nobody to answer; the observer counts it as 499
         except Exception:
             logger.exception("request %s failed", request.state.request_id)
             return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"))
@@ -620,10 +621,14 @@ class _Observer:
                 await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send_observed)
             else:
                 await self.app(scope, receive, send_observed)
-        except (asyncio.CancelledError, ClientDisconnect):
+        except asyncio.CancelledError:
             if not started:
                 status = CLIENT_CLOSED  # NOTE: the client left before any answer: not a server error
             raise
+        except ClientDisconnect:
+            # NOTE: the client left while its body was read: nobody to answer, not a server error.
+            if not started:
+                status = CLIENT_CLOSED
         finally:
             self._observe(scope, path, status, time.perf_counter() - start, state)
 

@@ -29,6 +29,20 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _INT32_MAX = (1 << 31) - 1
 # Characters of an offending value quoted back in an error message.
 _MAX_QUOTED = 120
+# The most stop strings and stop token ids one request may give: the engine checks every one
+# of them at every token of the request, on the thread every request shares.
+MAX_STOP = 64
+MAX_STOP_TOKEN_IDS = 256
+# The roles a chat message may have (OpenAI's).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# Arguments of the tokenizer's apply_chat_template that chat_template_kwargs must not set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "chat_template", "add_generation_prompt", "continue_final_message", "tokenize",
+        "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+        "tokenizer_kwargs", "tools", "documents",
+    }
+)  # fmt: skip
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -142,7 +156,7 @@ class ChatMessage(_Strict):
     """One message; ``content`` may be a list of text parts (joined with newlines)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-    role: str = Field(min_length=1)
+    role: Literal[ROLES]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -169,7 +183,7 @@ class _SamplingRequest(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)  # NOTE: torch generators take 64 bits
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -183,7 +197,7 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # NOTE: SGLang's bound
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool | None = False
     # vLLM's spelling: each choice carries its generated ``token_ids`` (streamed: each frame's
     # new ids) and the response its ``prompt_token_ids`` (a completion choice: its prompt's).
@@ -247,12 +261,29 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         """The engine's parameters; APIError(400) naming the parameter for bad values."""
         if self.tools:
             raise bad_request("tools are not supported by this server; send the request without tools", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request(
+                f"tool_choice needs tools, which this server does not support (got tool_choice={quote(self.tool_choice)})",
+                "tool_choice",
+            )
+        for legacy in ("functions", "function_call"):
+            if getattr(self, legacy) is not None:
+                raise bad_request(f"{legacy} (function calling) is not supported by this server; send the request without it", legacy)
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs must not set {', '.join(reserved)} (the server sets those); send template variables only",
+                "chat_template_kwargs",
+            )
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise bad_request(
                 f"response_format {quote(self.response_format)} is not supported; only {{'type': 'text'}} is",

@@ -57,6 +57,12 @@ def rejected(model, body) -> APIError:
         ({"logit_bias": {"5": 1.0}}, "logit_bias", "'5'"),
         ({"tools": [{"type": "function"}]}, "tools", "tools"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "'wizard'"),
+        ({"tool_choice": "required"}, "tool_choice", "'required'"),
+        ({"functions": [{"name": "f"}]}, "functions", "function calling"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
+        ({"stop": ["s"] * 65}, "stop", "at most 64"),
+        ({"stop_token_ids": list(range(257))}, "stop_token_ids", "at most 256"),
     ],
 )
 def test_chat_validation_names_parameter_and_value(body, param, shown):
