@@ -426,13 +426,31 @@ _KERNELS = _table(
         "bf16_gemm_backend",
         values=("auto",),
     ),
-    refused(
-        "DeepSeek sparse attention (DSA) is not built yet; drop the flag",
+    honored(
+        "DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): resolution picks the kernel (the cpu platform: "
+        "flotilla's torch reference, torch); the runtime runs the torch reference wherever attention runs the "
+        "reference and stops at start on any other resolved kernel, naming it",
         "dsa_prefill_backend",
-        "dsv4_prefill_backend",
         "dsa_decode_backend",
-        "dsa_paged_mqa_logits_backend",
+        values=(None,),
+        refusal="flotilla runs DSA on its torch reference only (the CUDA sparse-MLA kernels are not built yet): "
+        "leave it unset",
+    ),
+    honored(
+        "the DSA indexer's top-k: torch.topk in the torch reference (the sgl-kernel default stands for it where "
+        "attention runs the reference)",
         "dsa_topk_backend",
+        values=("sgl-kernel", "torch"),
+    ),
+    refused(
+        "the DSA indexer's paged-MQA logits run in the torch reference; its CUDA kernels are not built yet: drop the "
+        "flag",
+        "dsa_paged_mqa_logits_backend",
+        values=("auto",),
+    ),
+    refused(
+        "DeepSeek-V4 is not built yet; drop the flag",
+        "dsv4_prefill_backend",
         "enable_deepseek_v4_fp4_indexer",
     ),
     refused(

@@ -298,14 +298,15 @@ def dsa_backend_for(config: Any, backends: KernelBackends) -> str:
     resolution gives on the ``cpu`` platform) or a CUDA kernel the reference stands in for, as the
     attention fields do. With CUDA attention kernels a CUDA DSA kernel would be needed, which is not
     built: ValueError naming the field and value."""
-    fields = [(name, getattr(config, name, None)) for name in DSA_FIELDS]
     if backends.attention == TORCH:
         return TORCH
-    name, value = next(((n, v) for n, v in fields if v is not None and v not in TORCH_DSA_NAMES), fields[0])
+    attention = backends.chosen_by.get("attention", f"attention backend {backends.attention!r}")
+    named = [(n, getattr(config, n, None)) for n in DSA_FIELDS]
+    cuda = [f"{n}={v!r}" for n, v in named if v is not None and v not in TORCH_DSA_NAMES]
+    what = f"{', '.join(cuda)} name CUDA DSA kernels, which are not built yet" if cuda else "the CUDA DSA kernels are not built yet"
     raise ValueError(
-        f"{name}={value!r}: flotilla runs DeepSeek sparse attention on its torch reference only (the CUDA "
-        f"sparse-MLA and indexer kernels are not built yet), and {backends.chosen_by.get('attention', 'attention')} "
-        f"runs CUDA attention kernels; use --attention-backend torch_native (or --dtype float32) for the reference"
+        f"flotilla runs DeepSeek sparse attention on its torch reference only ({what}), and {attention} runs CUDA "
+        f"attention kernels; use --attention-backend torch_native (or --dtype float32) for the reference"
     )
 
 

@@ -102,6 +102,21 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/serve/test_field_effects.py::test_dp_size_without_dp_attention_runs_that_many_engine_replicas",
         "tests/cluster/engine/test_llm_dp.py::test_dp_ranks_ran_in_lockstep_with_idle_steps",
     ),
+    "dsa_decode_backend": (
+        "tests/cluster/models/test_dsa_field_effects.py::test_the_cpu_platforms_torch_backends_build_the_dsa_layers_on_the_torch_ops",
+        "tests/cluster/models/test_dsa_field_effects.py::test_a_cuda_dsa_kernel_under_cuda_attention_stops_the_start_naming_it",
+        "tests/resolution/test_dsa_resolution.py::test_on_the_cpu_platform_dsa_resolves_to_the_torch_reference",
+    ),
+    "dsa_prefill_backend": (
+        "tests/cluster/models/test_dsa_field_effects.py::test_the_cpu_platforms_torch_backends_build_the_dsa_layers_on_the_torch_ops",
+        "tests/cluster/models/test_dsa_field_effects.py::test_a_cuda_dsa_kernel_under_cuda_attention_stops_the_start_naming_it",
+        "tests/resolution/test_dsa_resolution.py::test_on_the_cpu_platform_dsa_resolves_to_the_torch_reference",
+    ),
+    "dsa_topk_backend": (
+        "tests/cluster/models/test_dsa_field_effects.py::test_the_cpu_platforms_torch_backends_build_the_dsa_layers_on_the_torch_ops",
+        "tests/cluster/models/test_dsa_field_effects.py::test_a_cuda_dsa_kernel_under_cuda_attention_stops_the_start_naming_it",
+        "tests/resolution/test_dsa_resolution.py::test_an_explicit_top_k_backend_is_kept_on_the_cpu_platform",
+    ),
     "dtype": (
         "tests/cluster/engine/test_field_effects.py::test_dtype_sets_the_weights_and_the_kv_cache",
         "tests/cluster/engine/test_kernel_backends.py::test_float32_runs_the_torch_references_on_cuda",
