@@ -238,8 +238,11 @@ def test_max_running_requests_is_capped_at_the_step_budget():
     from flotilla.cluster.engine.llm_engine import scheduler_config_for
     from flotilla.cluster.engine.model_runner import KVCacheLayout
 
+    from flotilla.resolution.fields import DEFAULTS
+
     kv = KVCacheLayout(num_blocks=64, block_size=16, bytes_per_token=1)
-    config = SimpleNamespace(chunked_prefill_size=128, max_prefill_tokens=16384, max_running_requests=512, disable_radix_cache=False)
+    # NOTE: every other server field at its default, as a resolved config holds it.
+    config = SimpleNamespace(**{**DEFAULTS, "chunked_prefill_size": 128, "max_prefill_tokens": 16384, "max_running_requests": 512})
     assert scheduler_config_for(config, kv).max_num_seqs == 128
     config.max_running_requests = 8
     assert scheduler_config_for(config, kv).max_num_seqs == 8
