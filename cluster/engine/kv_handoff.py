@@ -92,6 +92,15 @@ def prefill(
     request_id = engine.add_request(prompt_token_ids, params, request_id, hold_kv=True)
     while not engine.get_output(request_id).finished:
         engine.step()
+        if getattr(engine.scheduler, "waiting_for_held_blocks", False) and not engine.scheduler.num_running:
+            # NOTE: nothing runs and only held blocks are short: in this call nobody else frees them.
+            engine.abort(request_id)
+            engine.step()
+            engine.pop_output(request_id)
+            raise KVHandoffError(
+                f"prefill of request {request_id!r}: the KV pool is full of blocks held for earlier prefills "
+                f"({engine.scheduler.num_held_blocks} blocks); release them (release_prefill) before prefilling more"
+            )
     output = engine.pop_output(request_id)
     completion = output.outputs[0]
     if completion.finish_reason not in ("length", "stop"):

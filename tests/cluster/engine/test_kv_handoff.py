@@ -33,7 +33,7 @@ BLOCK = 16
 
 def make_engine(path, **flags):
     source = resolve_model_source(path)
-    args = ServerArgs.create(model_path=str(source.path), max_total_tokens=512, **flags)
+    args = ServerArgs.create(model_path=str(source.path), **{"max_total_tokens": 512, **flags})
     config = resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu"))
     engine = LLMEngine(config, source)
     assert engine.runner.kv_layout.block_size == BLOCK
@@ -232,6 +232,20 @@ def test_prefill_keeps_blocks_until_released(engines):
     assert release_prefill(prefiller, result) and not release_prefill(prefiller, result)
     assert prefiller.held_kv_blocks(result.request_id) is None
     assert_no_leaks(prefiller)
+
+
+def test_a_prefill_that_only_held_blocks_keep_out_raises_instead_of_looping(engines):
+    path, prompts, _ = engines
+    # NOTE: 64 tokens of pool: three 20-token prefills hold 2 blocks each; the fourth cannot fit
+    # until someone releases, and in an offline prefill() nobody else can.
+    prefiller = make_engine(path, max_total_tokens=64)
+    held = [prefill(prefiller, [5 + i] * 20, GREEDY) for i in range(2)]
+    with pytest.raises(KVHandoffError, match=r"the KV pool is full of blocks held for earlier prefills"):
+        prefill(prefiller, [9] * 40, GREEDY)
+    for result in held:
+        release_prefill(prefiller, result)
+    assert_no_leaks(prefiller)
+    assert prefill(prefiller, [9] * 40, GREEDY).block_ids
 
 
 def test_bad_handoff_arguments_are_refused(engines):
