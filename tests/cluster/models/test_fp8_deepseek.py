@@ -1,12 +1,12 @@
 """Block-FP8 checkpoints of the DeepSeek family (DeepSeek-V3/R1, V2-Lite's q_proj shape) and of
-GLM-4.5, in the published on-disk layout (``helpers.tiny_dsa.save_fp8_twin``: every projection
+GLM-4.5 and GLM-5 (DSA, IndexShare), in the published on-disk layout (``helpers.tiny_dsa.save_fp8_twin``: every projection
 float8_e4m3fn + ``weight_scale_inv`` per 128x128 block, one tensor per expert matrix), against HF
 transformers on the exactly dequantized weights.
 
 What runs how: routed and shared experts, dense MLPs and ``o_proj`` (GLM: q/k/v too) are FP8
 layers (op ``fp8_block_linear`` / ``fp8_grouped_moe``, torch backend: dequantize, float32 GEMM);
-MLA's ``q_a_proj``/``q_b_proj``/``q_proj``/``kv_a_proj_with_mqa``/``kv_b_proj`` are dequantized at
-load. Either way every weight equals the dequantized checkpoint's bit for bit (a float8 value times
+MLA's ``q_a_proj``/``q_b_proj``/``q_proj``/``kv_a_proj_with_mqa``/``kv_b_proj`` and the DSA indexer's
+``wq_b``/``wk`` are dequantized at load. Either way every weight equals the dequantized checkpoint's bit for bit (a float8 value times
 a float32 scale is one float32 rounding, the same one the twin was written with), so the models
 differ from HF only in float32 summation order: ~3e-6 on logits of magnitude ~5. atol 1e-4 holds
 on any CPU's SIMD width; a wrong scale block, a missed dequantization (a raw float8 value is off by
@@ -19,7 +19,15 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
+)
 
 from flotilla import LLM, SamplingParams
 from flotilla.cluster.models.fp8_dequant import dequantize_on_load
@@ -28,7 +36,7 @@ from flotilla.cluster.models.fp8_moe import Fp8FusedMoE
 from flotilla.cluster.models.sources import load_model, resolve_model_source
 from helpers.paged import PagedRunner
 from helpers.prompts import random_prompts
-from helpers.tiny_dsa import quantize_blocks, save_fp8_twin
+from helpers.tiny_dsa import SelectionMargins, quantize_blocks, save_fp8_twin
 from helpers.tiny_fp8 import randomize
 from helpers.tiny_glm import randomize_correction_bias
 from helpers.tiny_models import hf_greedy
@@ -59,7 +67,18 @@ CASES = {
             use_qk_norm=True, attention_bias=True, max_position_embeddings=256, num_nextn_predict_layers=0,
         ),
     ),
+    # GLM-5-FP8: DSA (the indexer's wq_b/wk dequantized at load, weights_proj float32) with IndexShare.
+    "glm5": (
+        GlmMoeDsaConfig,
+        GlmMoeDsaForCausalLM,
+        dict(
+            _DEEPSEEK, q_lora_rank=96, num_key_value_heads=4, index_topk=8, index_head_dim=32, index_n_heads=16,
+            index_topk_pattern="FSF", num_nextn_predict_layers=None,
+        ),
+    ),
 }  # fmt: skip
+# Weight seeds: GLM-5's leaves every top-k boundary of the test at least 1e-3 wide (measured 2.3e-3).
+SEEDS = {"glm5": 6}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -76,10 +95,11 @@ def twins(tmp_path_factory):
     def get(case: str):
         if case not in built:
             config_cls, model_cls, settings = CASES[case]
-            torch.manual_seed(0)
+            seed = SEEDS.get(case, 0)
+            torch.manual_seed(seed)
             hf = model_cls(config_cls(**settings)).eval()
-            randomize(hf)
-            randomize_correction_bias(hf)
+            randomize(hf, seed)
+            randomize_correction_bias(hf, seed)
             fp8_dir, dequant_dir = save_fp8_twin(hf, tmp_path_factory.mktemp(case))
             built[case] = case, fp8_dir, AutoModelForCausalLM.from_pretrained(dequant_dir, dtype=torch.float32).eval()
         return built[case]
@@ -110,9 +130,10 @@ def test_prefill_logits_and_greedy_decode_match_hf_on_the_dequantized_weights(tw
     ours = load_model(resolve_model_source(str(fp8_dir)), "float32")
     kinds = {type(m) for m in ours.modules()}
     assert Fp8FusedMoE in kinds and Fp8RowParallelLinear in kinds
-    if case.startswith("deepseek"):
+    if case != "glm4_moe":
         attn = ours.layers[0].self_attn
         assert attn.w_kc.dtype == torch.float32 and attn.kv_a_proj_with_mqa.weight.dtype == torch.float32
+    margins = SelectionMargins().attach(ours)
     prompts = random_prompts((13, 6), VOCAB)
     runner = PagedRunner(ours, len(prompts), max(map(len, prompts)) + NEW_TOKENS)
     prefill = runner.step(dict(enumerate(prompts)))
@@ -126,6 +147,8 @@ def test_prefill_logits_and_greedy_decode_match_hf_on_the_dequantized_weights(tw
             expected = oracle(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(prefill[b], expected, atol=ATOL, rtol=0)
         assert outputs[b] == hf_greedy(oracle, prompt, NEW_TOKENS)
+    # NOTE: GLM-5's top-k boundaries wider than float32 noise (see test_dsa.py); no boundary elsewhere.
+    assert margins.smallest >= 1e-4
 
 
 def test_the_engine_serves_the_fp8_checkpoint_with_hfs_tokens(twins):
