@@ -403,7 +403,7 @@ _KERNELS = _table(
         "decode_attention_backend",
         "prefill_attention_backend",
         values=ATTENTION_BACKENDS,
-        refusal="flotilla maps the dense attention names only (sparse attention is not built): use one of "
+        refusal="flotilla maps the dense attention names only (a DSA model picks its sparse kernels by its own fields): use one of "
         + ", ".join(ATTENTION_BACKENDS),
     ),
     honored(
