@@ -6,7 +6,6 @@
 #   benchmarks/run_h200.sh part3 OUTDIR   # DeepSeek-V2-Lite latency bs1; HF peer (Llama-3.1-8B): eager bs1, bs64, static+compiled bs1
 #   benchmarks/run_h200.sh profile OUTDIR # kernel-by-kernel GPU time of a batch-1 decode step (Llama-3.1-8B, Qwen3-30B-A3B)
 #   benchmarks/run_h200.sh tp2 OUTDIR     # 2x H200 only: Llama-3.1-8B latency bs1 at TP=2 (compare with part1's TP=1)
-#   benchmarks/run_h200.sh probes OUTDIR  # kernel probes: cuBLAS vs Triton GEMV, fused norm/activation GEMVs, flashinfer decode tensor vs CUDA cores
 #
 # Each part is sized to finish in under 9 minutes with a warm flashinfer JIT cache; the first
 # part on a fresh machine also compiles flashinfer's kernels (minutes, see shared/notes/gpu-h200.md).
@@ -18,8 +17,8 @@
 # bounds each command in seconds.
 set -uo pipefail
 
-part="${1:?usage: run_h200.sh part1|part2|part3|profile|probes|tp2 OUTDIR}"
-out="${2:?usage: run_h200.sh part1|part2|part3|profile|probes|tp2 OUTDIR}"
+part="${1:?usage: run_h200.sh part1|part2|part3|profile|tp2 OUTDIR}"
+out="${2:?usage: run_h200.sh part1|part2|part3|profile|tp2 OUTDIR}"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-python3}"
 limit="${BENCH_TIMEOUT:-480}"
@@ -108,11 +107,6 @@ profile)
     run profile-qwen3-30b-a3b-bs1 "$py" benchmarks/decode_profile.py --shape qwen3-30b-a3b --batch-size 1 \
         --json "$out/profile-qwen3-30b-a3b-bs1.json"
     ;;
-probes)
-    run gemv-probe "$py" benchmarks/gemv_probe.py --json "$out/gemv-probe.json"
-    run fused-probe "$py" benchmarks/fused_probe.py --json "$out/fused-probe.json"
-    run attention-probe "$py" benchmarks/attention_probe.py --json "$out/attention-probe.json"
-    ;;
 tp2)  # needs ray on the box (gpu_env.sh unpacks a site*.tar.xz archive holding a slimmed ray)
     bench latency-llama-3.1-8b-bs1-128-512-tp2 latency --shape llama-3.1-8b --dtype bfloat16 --tp 2 \
         --batch-size 1 --input-len 128 --output-len 512 --num-iters 3 --warmup-steps 16
@@ -120,7 +114,7 @@ tp2)  # needs ray on the box (gpu_env.sh unpacks a site*.tar.xz archive holding 
         --batch-size 1 --input-len 128 --output-len 512 --num-iters 3 --warmup-steps 16
     ;;
 *)
-    echo "run_h200.sh: unknown part '$part' (part1, part2, part3, profile, probes, tp2)" >&2
+    echo "run_h200.sh: unknown part '$part' (part1, part2, part3, profile, tp2)" >&2
     exit 2
     ;;
 esac
