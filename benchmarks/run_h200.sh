@@ -99,12 +99,12 @@ part3)
     ;;
 profile)
     # Where a batch-1 decode step's GPU time goes, kernel by kernel (graph replay under torch's profiler).
-    run profile-llama-3.1-8b-bs1 "$py" benchmarks/decode_profile.py --shape llama-3.1-8b --batch-size 1 \
+    run profile-llama-3.1-8b-bs1 "$py" benchmarks/dev/decode_profile.py --shape llama-3.1-8b --batch-size 1 \
         --json "$out/profile-llama-3.1-8b-bs1.json"
     # Side by side: the same graph without programmatic dependent launch of the Triton GEMVs.
-    run profile-llama-3.1-8b-bs1-no-pdl "$py" benchmarks/decode_profile.py --shape llama-3.1-8b --batch-size 1 \
+    run profile-llama-3.1-8b-bs1-no-pdl "$py" benchmarks/dev/decode_profile.py --shape llama-3.1-8b --batch-size 1 \
         --without pdl --json "$out/profile-llama-3.1-8b-bs1-no-pdl.json"
-    run profile-qwen3-30b-a3b-bs1 "$py" benchmarks/decode_profile.py --shape qwen3-30b-a3b --batch-size 1 \
+    run profile-qwen3-30b-a3b-bs1 "$py" benchmarks/dev/decode_profile.py --shape qwen3-30b-a3b --batch-size 1 \
         --json "$out/profile-qwen3-30b-a3b-bs1.json"
     ;;
 tp2)  # needs ray on the box (gpu_env.sh unpacks a site*.tar.xz archive holding a slimmed ray)

@@ -1,4 +1,4 @@
-"""``benchmarks/phase_profile.py`` on CPU: the device-idle accounting it reports for a phase,
+"""``benchmarks/dev/phase_profile.py`` on CPU: the device-idle accounting it reports for a phase,
 on hand-built device operations (the profiling itself needs a GPU)."""
 
 import pytest

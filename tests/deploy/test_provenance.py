@@ -15,7 +15,7 @@ from flotilla.deploy import bench_env
 
 REPO = Path(__file__).resolve().parents[2]
 # Every file that may write a benchmark result (bench_env.py is the helper itself).
-WRITERS = sorted({*REPO.glob("benchmarks/*.py"), *REPO.glob("deploy/bench*.py"), REPO / "deploy/loadgen.py"}
+WRITERS = sorted({*REPO.glob("benchmarks/**/*.py"), *REPO.glob("deploy/bench*.py"), REPO / "deploy/loadgen.py"}
                  - {REPO / "deploy/bench_env.py"})  # fmt: skip
 
 

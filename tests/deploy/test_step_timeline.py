@@ -1,4 +1,4 @@
-"""``benchmarks/step_timeline.py`` on CPU: how it reads a profiler trace (which device
+"""``benchmarks/dev/step_timeline.py`` on CPU: how it reads a profiler trace (which device
 operations a CUDA graph launched, where one decode step ends and the next begins, the busy
 and idle time of a step) on hand-built Kineto-style traces. The profiling itself needs a GPU."""
 

@@ -1,4 +1,5 @@
-"""Timing of GPU work for the probes in this folder. Short work (kernels of a few
+"""Timing of GPU work for one-off kernel probes written next to it (the probes that used it,
+settled, were removed in 004bdbd; see git history). Short work (kernels of a few
 microseconds): ``fn`` captured ``reps`` times into one CUDA graph, the graph replayed, the
 mean microseconds of one ``fn`` returned; a graph keeps launch gaps out. Work of a
 millisecond or more: ``fn`` launched ``reps`` times between two CUDA events."""

@@ -3,7 +3,7 @@ random weights, decode a few tokens (so the decode CUDA graphs are captured and 
 replay the graph of one batch size under torch's profiler and print the kernels by total
 time, grouped into families (GEMM, attention, norm, RoPE, KV write, activation, MoE, other).
 
-    python benchmarks/decode_profile.py --shape llama-3.1-8b --batch-size 1 [--context 512]
+    python benchmarks/dev/decode_profile.py --shape llama-3.1-8b --batch-size 1 [--context 512]
         [--replays 20] [--json OUT] [--eager] [--without OP,...] [any server flag as --name value]
 
 ``--eager`` profiles eager forwards instead (``--disable-cuda-graph``: launch gaps show up as

@@ -10,7 +10,7 @@ device time, and the idle gaps between operations, per step.
 Run on a GPU machine from the repository root (nothing is downloaded: a random-weight model
 of a bundled shape)::
 
-    python3 benchmarks/step_timeline.py --shape qwen3-30b-a3b --batch-size 1 --json OUT.json
+    python3 benchmarks/dev/step_timeline.py --shape qwen3-30b-a3b --batch-size 1 --json OUT.json
 
 What to read: ``graph_us`` is the span from the first to the last kernel of a replay,
 ``outside`` lists the other operations of one step, ``idle_us`` the time the device sat idle

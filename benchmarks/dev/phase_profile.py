@@ -4,7 +4,7 @@ steps up to every request's first token (the prefill phase: chunked prefill, wit
 rows that ride along), then ``--decode-steps`` decode-only steps, and print each phase's wall
 time and kernel time by family (the families of ``decode_profile.py``).
 
-    python benchmarks/phase_profile.py --shape llama-3.1-8b --num-prompts 64 --input-len 1000
+    python benchmarks/dev/phase_profile.py --shape llama-3.1-8b --num-prompts 64 --input-len 1000
         [--decode-steps 8] [--cprofile-steps N] [--json OUT] [any server flag as --name value]
 
 Each phase also reports its GEMM throughput (2 x the model's projection parameters x the
@@ -14,7 +14,7 @@ own ``F.linear`` on the same weight shapes at ``--reference-m`` rows, timed in t
 process, and the time the device sat idle within the phase (waiting on the host).
 ``--cprofile-steps N`` then runs N more decode steps under cProfile, without the torch
 profiler, and lists the host functions by own time. This is the measurement behind the
-offline workload's budget in docs/benchmarks.md.
+offline workload's device-bound reading in docs/gpu.md ("Where the targets stand").
 
 Needs a CUDA GPU and the GPU wheels (docs/gpu.md); the numbers are for reading, not for CI.
 """
