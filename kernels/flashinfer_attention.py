@@ -51,8 +51,6 @@ the ``flashinfer`` backend is asked for, and turns an ImportError into its clear
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -65,48 +63,18 @@ except Exception as exc:  # NOTE: CUDA library failures surface as OSError/Runti
 
 from flotilla.kernels.attention import AttentionMetadata, AttentionShape, StepLayout, step_layout, write_kv
 from flotilla.kernels.kv_dtype import FP8_KV_DTYPES, is_fp8
+from flotilla.kernels.flashinfer_plan import (
+    SUPPORTED_DTYPES,
+    WORKSPACE_BYTES,
+    FlashInferStepPlan,
+    check_graph_sizes,
+    require_plan,
+)
 from flotilla.kernels.registry import register
 
-# Float workspace per planner: split-KV partial outputs of the largest decode/prefill plans
-# (flashinfer suggests 128 MiB; large graph batches of many heads can need more).
-WORKSPACE_BYTES = 256 << 20
 # A KV head serving this many query heads or more decodes on tensor cores.
 TENSOR_CORE_MIN_GROUP = 4
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-
-
-@dataclass(frozen=True)
-class FlashInferStepPlan:
-    """``meta.plan`` for flashinfer attention: the planned wrapper and what it was planned for.
-
-    Attributes:
-        wrapper: a planned flashinfer prefill or decode wrapper (or MLA wrapper), a
-            :class:`DecodesThenPrefills` of both, or the planner's
-            :class:`~flotilla.kernels.triton_decode_attention.TritonDecode`.
-        num_tokens: query rows every ``run`` of this step must pass.
-        scale: the planned softmax scale.
-        sliding_window: the planned window (None: whole context).
-        kind: ``"prefill"``, ``"mixed"`` (leading decodes on the decode wrapper, the rest
-            on the prefill wrapper), ``"decode"``, ``"graph-decode"``, ``"triton-decode"``,
-            ``"triton-graph-decode"`` or ``"mla"`` (diagnostics).
-    """
-
-    wrapper: Any
-    num_tokens: int
-    scale: float
-    sliding_window: int | None
-    kind: str
-
-    def check(self, num_tokens: int, scale: float, sliding_window: int | None) -> None:
-        """ValueError unless a layer's call matches the plan (Python values only: no sync)."""
-        if num_tokens != self.num_tokens:
-            raise ValueError(f"attention got {num_tokens} query tokens, the step's {self.kind} plan has {self.num_tokens}")
-        if not math.isclose(scale, self.scale, rel_tol=1e-6) or sliding_window != self.sliding_window:
-            raise ValueError(
-                f"attention called with scale={scale}, sliding_window={sliding_window}; the planner's "
-                f"AttentionShape says scale={self.scale}, sliding_window={self.sliding_window}"
-            )
 
 
 class DecodesThenPrefills:
@@ -123,24 +91,6 @@ class DecodesThenPrefills:
         self.decode.run(q[:split], paged_kv_cache, out=out[:split])
         self.prefill.run(q[split:], paged_kv_cache, out=out[split:])
         return out
-
-
-def require_plan(meta: AttentionMetadata) -> FlashInferStepPlan:
-    """``meta.plan``, or a ValueError saying the planner was not run for this step."""
-    if not isinstance(meta.plan, FlashInferStepPlan):
-        raise ValueError(
-            f"flashinfer attention needs meta.plan from the flashinfer attention planner (got {type(meta.plan).__name__}); "
-            "call planner.plan(meta) once per step before the forward"
-        )
-    return meta.plan
-
-
-def check_graph_sizes(graph_batch_sizes: Sequence[int]) -> tuple[int, ...]:
-    """The sorted distinct graph batch sizes; ValueError on a non-positive one."""
-    sizes = tuple(sorted(set(int(b) for b in graph_batch_sizes)))
-    if sizes and sizes[0] < 1:
-        raise ValueError(f"graph_batch_sizes must be positive, got {list(graph_batch_sizes)}")
-    return sizes
 
 
 class FlashInferAttentionPlanner:
@@ -368,37 +318,6 @@ def _check_shape(shape: AttentionShape) -> None:
         )
     if shape.sliding_window is not None and shape.sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {shape.sliding_window}")
-
-
-@register("attention_planner", "flashinfer")
-def flashinfer_attention_planner(
-    shape: AttentionShape,
-    device: torch.device | str,
-    *,
-    block_size: int,
-    max_num_seqs: int,
-    max_num_pages: int,
-    graph_batch_sizes: Sequence[int] = (),
-    **options: Any,
-):
-    """The flashinfer planner for ``shape``: :class:`FlashInferAttentionPlanner`, or
-    :class:`~flotilla.kernels.flashinfer_mla.FlashInferMLAPlanner` for an MLA shape.
-    ``options`` (``workspace_bytes``, ``padding_page``) pass through."""
-    if shape.is_mla:
-        from flotilla.kernels.flashinfer_mla import FlashInferMLAPlanner
-
-        planner_class = FlashInferMLAPlanner
-    else:
-        planner_class = FlashInferAttentionPlanner
-    return planner_class(
-        shape,
-        device,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_pages=max_num_pages,
-        graph_batch_sizes=graph_batch_sizes,
-        **options,
-    )
 
 
 @register("paged_attention", "flashinfer")

@@ -41,7 +41,7 @@ except Exception as exc:  # NOTE: the registry expects ImportError (see flashinf
 
 from flotilla.kernels.attention import AttentionMetadata, AttentionShape, StepLayout, step_layout, write_kv
 from flotilla.kernels.dcp import DCPLocalView
-from flotilla.kernels.flashinfer_attention import (
+from flotilla.kernels.flashinfer_plan import (
     SUPPORTED_DTYPES,
     WORKSPACE_BYTES,
     FlashInferStepPlan,

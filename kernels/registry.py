@@ -23,6 +23,7 @@ _BACKEND_MODULES = {
         "flotilla.kernels.flashinfer_ops",
         "flotilla.kernels.flashinfer_attention",
         "flotilla.kernels.flashinfer_mla",
+        "flotilla.kernels.flashinfer_planners",
     ),
     "triton": (
         "flotilla.kernels.triton_moe",

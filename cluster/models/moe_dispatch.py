@@ -44,14 +44,26 @@ of its group, so an idle DP rank still calls the layer with ``T == 0``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from flotilla.cluster.models.base import ParallelLayout
 
-if TYPE_CHECKING:  # NOTE: type-only; moe_layer imports this module.
-    from flotilla.cluster.models.moe_layer import FusedMoE
+
+class FusedMoE(Protocol):
+    """What a dispatcher needs of the MoE layer it serves
+    (:class:`flotilla.cluster.models.moe_layer.FusedMoE`, which builds its dispatcher here)."""
+
+    slots_per_rank: int
+
+    def slots_for(self, topk_ids: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Physical slot of each (token, k) pair of ``topk_ids`` (logical expert ids)."""
+        ...
+
+    def compute(self, hidden: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on ``hidden`` for the pairs whose slot is local."""
+        ...
 
 
 def _moe_dp_size(parallel: ParallelLayout) -> int:
