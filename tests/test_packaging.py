@@ -23,20 +23,38 @@ def test_editable_install_exposes_the_subpackages_under_flotilla():
     assert out.stdout.strip() == "True"
 
 
-@pytest.mark.timeout(300)
-def test_built_wheel_holds_only_the_flotilla_package(tmp_path):
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory):
+    """The file names inside the wheel built from this checkout (offline: no index, no build isolation)."""
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(REPO)],
         check=True,
         capture_output=True,
+        env={**os.environ, "PIP_NO_INDEX": "1"},
+        timeout=120,
     )
-    (wheel,) = tmp_path.glob("flotilla-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    roots = {n.split("/")[0] for n in names if not n.startswith("flotilla-")}
+    (wheel,) = out.glob("flotilla-*.whl")
+    return zipfile.ZipFile(wheel).namelist()
+
+
+def test_built_wheel_holds_only_the_flotilla_package(wheel_names):
+    roots = {n.split("/")[0] for n in wheel_names if not n.startswith("flotilla-")}
     assert roots == {"flotilla"}, roots
-    assert "flotilla/resolution/engine.py" in names
-    assert "flotilla/deploy/cli.py" in names
-    assert not any(n.startswith("flotilla/tests/") for n in names)
+    assert "flotilla/resolution/engine.py" in wheel_names
+    assert "flotilla/deploy/cli.py" in wheel_names
+    assert not any(n.startswith("flotilla/tests/") for n in wheel_names)
+
+
+def test_built_wheel_ships_no_benchmark_or_profiler_script(wheel_names):
+    # NOTE: benchmarks/ (scenario scripts) and benchmarks/dev/ (profilers) run from a checkout;
+    # `flotilla bench` itself (deploy/bench*.py) ships.
+    scripts = {p.name for p in (REPO / "benchmarks").rglob("*") if p.suffix in {".py", ".sh"}}
+    assert {"serve_bench.py", "run_h200.sh", "decode_profile.py"} <= scripts
+    shipped = {n.rsplit("/", 1)[-1] for n in wheel_names}
+    assert not scripts & shipped, sorted(scripts & shipped)
+    assert not [n for n in wheel_names if "benchmarks" in n.split("/")[:-1]]
+    assert "flotilla/deploy/bench.py" in wheel_names
 
 
 # --- The CPU install (constraints/cpu.txt) ---------------------------------------------------
