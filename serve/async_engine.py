@@ -7,7 +7,8 @@ Threading design (the one invariant: only the engine thread ever touches the LLM
   *abort* command) to a list guarded by a ``threading.Condition``. The thread takes the
   whole list between steps, applies it in order, then steps. With no command and no
   unfinished request it sleeps on the condition (a bounded wait), so an idle engine costs
-  nothing.
+  nothing. Going idle after serving, it first gives the C heap's free pages back to the OS
+  (:func:`release_free_heap`, at most every :data:`HEAP_TRIM_INTERVAL_S`).
 - What a step produced goes back per request: the thread turns the engine's deltas into
   :class:`GenerateChunk` s and hands them, one ``loop.call_soon_threadsafe`` per event loop
   per step, to the requests' ``asyncio.Queue`` s (each request remembers the loop that
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import itertools
 import logging
 import threading
@@ -80,6 +83,10 @@ SHUTDOWN_WAIT_S = 60.0
 GROUP_HOLD_S = 5.0
 # Multi-prompt requests remembered at most (held or refused); the oldest are forgotten first.
 MAX_GROUPS = 4096
+# An engine that served and is now idle gives the C heap's free pages back to the OS
+# (glibc's malloc_trim), at most this often: glibc keeps what the steps freed for reuse, in
+# up to 8 arenas per core, so a replica's RSS creeps up with the shapes it has run.
+HEAP_TRIM_INTERVAL_S = 5.0
 
 
 @dataclass(eq=False)
@@ -176,6 +183,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         self._unscheduled: set[str] = set()
         self._orphans: list[_Command] = []
         self._prefix_seen = (0, 0)
+        self._stepped_since_trim = False
+        self._trimmed_at = time.monotonic()
         # Engine-thread state of the KV handoff (leases, KV peers).
         self._handoff = KVHandoff(engine, self.metrics, lambda: self._publish_load(0))
         self._publish_load(0)
@@ -442,11 +451,15 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                     self._emit(pending, time.monotonic())
                 if commands or self.engine.has_unfinished_requests():
                     self._step()
+                    self._stepped_since_trim = True
                 if self._handoff.leases:
                     self._handoff.expire_leases()
                 if self.engine.dead is not None:
                     self._die(str(self.engine.dead))
                     return
+                if self._heap_trim_due() and not self.engine.has_unfinished_requests():
+                    self._stepped_since_trim, self._trimmed_at = False, time.monotonic()
+                    release_free_heap()
         except Exception as exc:  # noqa: BLE001 - a bug must fail the requests, not hang them
             logger.exception("the engine loop of replica %s failed", self.metrics.replica_id)
             self._die(f"the engine loop failed: {type(exc).__name__}: {exc}")
@@ -459,6 +472,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         None on shutdown."""
         with self._cond:
             while not (self._commands or self._stopping or self._can_step()):
+                if self._heap_trim_due() and not self.engine.has_unfinished_requests():
+                    break  # NOTE: idle with a heap trim due: the loop trims, outside the lock
                 wait_s = IDLE_WAIT_S
                 if self._handoff.leases:
                     due_in = self._handoff.leases.next_deadline() - time.monotonic()
@@ -478,6 +493,9 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         would spin the thread."""
         blocked = getattr(self.engine.scheduler, "waiting_for_held_blocks", False)
         return self.engine.has_unfinished_requests() and not blocked
+
+    def _heap_trim_due(self) -> bool:
+        return self._stepped_since_trim and time.monotonic() - self._trimmed_at >= HEAP_TRIM_INTERVAL_S
 
     def _apply(self, commands: list[_Command]) -> None:
         adds = 0
@@ -734,6 +752,24 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                         self.engine.abort(engine_id)
                     elif engine_id in self._handoff.leases:
                         self._handoff.release_lease(engine_id)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # NOTE: glibc only (not musl, not macOS)
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_heap() -> bool:
+    """Give the free pages of every C heap arena back to the OS (glibc's ``malloc_trim(0)``,
+    a few milliseconds); False where the C library has no such call."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _put_all(batch: list[tuple[str, asyncio.Queue, Any]]) -> None:

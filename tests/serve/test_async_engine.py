@@ -581,6 +581,39 @@ def test_idle_engine_thread_sleeps_and_shutdown_stops_it(model_dir):
             asyncio.run(collect(engine, request([3, 4, 5])))
 
 
+def test_an_engine_that_goes_idle_after_serving_gives_its_free_heap_back_at_most_every_interval(model_dir, monkeypatch):
+    """glibc keeps the memory the steps freed (RSS creeps up under load); once the engine is
+    idle after serving it calls malloc_trim, at most every HEAP_TRIM_INTERVAL_S, never while
+    requests run, and an idle engine that served nothing does not (the loop stays asleep)."""
+    from flotilla.serve import async_engine as module
+
+    trims, running_then = [], []
+    monkeypatch.setattr(module, "HEAP_TRIM_INTERVAL_S", 0.2)
+    with async_engine(model_dir) as engine:
+
+        def trim():
+            trims.append(time.monotonic())
+            running_then.append(engine.engine.has_unfinished_requests())
+            return True
+
+        monkeypatch.setattr(module, "release_free_heap", trim)
+        time.sleep(0.5)
+        assert trims == []  # NOTE: nothing served yet
+        prompt = random_prompts([6], VOCAB)[0]
+
+        async def burst():
+            await asyncio.gather(*(collect(engine, request(prompt, request_id=f"t{i}")) for i in range(4)))
+
+        for bursts in (1, 2):
+            asyncio.run(burst())
+            deadline = time.monotonic() + WAIT_S
+            while len(trims) < bursts and time.monotonic() < deadline:
+                time.sleep(0.02)
+        time.sleep(0.5)
+        assert len(trims) == 2 and not any(running_then), (trims, running_then)
+        assert trims[1] - trims[0] >= 0.2
+
+
 def test_engine_replica_built_without_serve(model_dir):
     config, _ = resolved(model_dir)
     replica = EngineReplica(config, ServeOptions(model=str(model_dir), max_queued_requests=8), replica_id="rep-1")
