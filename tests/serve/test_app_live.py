@@ -357,7 +357,7 @@ def test_serve_engine_client_streams_cancels_and_maps_errors():
     cases = [
         (remote_bad_input, ValueError, "max_tokens: bad"),
         (BackPressureError(num_queued_requests=4, max_queued_requests=4), EngineOverloadedError, "busy"),
-        (ActorDiedError(), EngineUnavailableError, "unavailable"),
+        (ActorDiedError(), EngineUnavailableError, "replica serving this request stopped; retry"),
     ]
     for raised, expected, text in cases:
         with pytest.raises(expected, match=text) as info:
