@@ -45,7 +45,7 @@ def _host_class():
 
         def __init__(self, model_dir: str, name: str, flags: dict, device: str):
             from flotilla.cluster.engine.llm import LLM
-            from flotilla.serve.kv_endpoint import KVEndpointFactory
+            from flotilla.cluster.kv.endpoint import KVEndpointFactory
 
             from flotilla.cluster.platform import probe
 

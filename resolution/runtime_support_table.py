@@ -958,7 +958,7 @@ SUPPORT: Mapping[str, Support] = MappingProxyType(
 GUARDED: frozenset[str] = frozenset(
     {
         "pp_size",  # cluster/topology.py refuses pp_size != 1
-        "attn_cp_size",  # rank math in cluster/topology.py; PD refuses it (cluster/engine/kv_ports.py)
+        "attn_cp_size",  # rank math in cluster/topology.py; PD refuses it (cluster/kv/port.py)
         "moe_dp_size",  # cluster/models/moe_dispatch.py refuses moe_dp_size > 1
         "quantization_param_path",  # cluster/engine/kv_cache_dtype.py refuses KV scales
         "hicache_storage_backend",  # cluster/engine/host_kv_tier.py refuses a storage tier

@@ -417,7 +417,7 @@ def serve_options(
     Elastic EP: ``elastic_plan`` from :func:`resolve_colocated`, ``elastic_autoscale``
     (default off); refused as :func:`check_elastic_options` says. ``placement``: the Ray
     resources pinning each group of ranks to nodes (see ``ServeOptions.placement``)."""
-    from flotilla.serve.kv_endpoint import default_kv_transport
+    from flotilla.cluster.kv.endpoint import default_kv_transport
 
     defaults = ServeOptions()
     if num_replicas is None:

@@ -4,7 +4,7 @@ Prefill/decode disaggregation (:mod:`flotilla.serve.pd`) adds three commands, ap
 the engine thread like every other:
 
 - :meth:`AsyncEngine.prefill` runs the prompt with ``max_tokens=1`` and ``hold_kv=True``;
-  when it finishes the thread grants a :class:`~flotilla.serve.kv_transfer.BlockLeases`
+  when it finishes the thread grants a :class:`~flotilla.serve.kv_leases.BlockLeases`
   lease on its blocks and answers a :class:`PrefillOutcome`. A lease ends by
   :meth:`AsyncEngine.release_kv` or by expiring: the idle thread wakes for the next
   deadline, so blocks of a reader that never came back are freed on time.
@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 from flotilla.cluster.engine.kv_handoff import KVHandoffError, check_policy
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.serve.async_engine_commands import _Abort, _AddPrefilled, _Prefill
-from flotilla.serve.kv_transfer import BlockLeases
+from flotilla.serve.kv_leases import BlockLeases
 from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.pd import ends_at_first_token, takes_handoff
 from flotilla.serve.types import EngineUnavailableError, GenerateChunk, GenerateRequest, PrefillTicket

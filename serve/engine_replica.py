@@ -20,7 +20,7 @@ Under prefill/decode disaggregation (:mod:`flotilla.serve.pd`) a replica has a r
 :class:`~flotilla.serve.types.PrefillTicket` and free the blocks on
 :meth:`EngineReplica.release_kv`; ``decode`` replicas stream
 :meth:`EngineReplica.generate_prefilled`. Both attach a KV endpoint to every rank of their
-runner (:class:`~flotilla.serve.kv_endpoint.KVEndpointFactory`, named uniquely per
+runner (:class:`~flotilla.cluster.kv.endpoint.KVEndpointFactory`, named uniquely per
 replica incarnation: a restarted replica is a new KV peer).
 
 An elastic EP deployment (``options.elastic_plan`` set; one replica holds the whole group)
@@ -131,7 +131,7 @@ class EngineReplica:
 
     def _kv_runner(self) -> Any:
         """The model runner of a PD role, with a KV endpoint on every rank."""
-        from flotilla.serve.kv_endpoint import KVEndpointFactory
+        from flotilla.cluster.kv.endpoint import KVEndpointFactory
         from flotilla.serve.pd import ranks_in_replica
 
         factory = KVEndpointFactory(kind=self.options.kv_transport, name=f"{self.replica_id}-{uuid.uuid4().hex[:8]}")

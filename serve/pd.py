@@ -120,7 +120,7 @@ def check_pd_options(prefill_config: Any, decode_config: Any, options: ServeOpti
     """Refuse a PD setup that cannot work, with a message naming the flag and value."""
     from flotilla.cluster.engine.kv_handoff import check_policy
     from flotilla.cluster.engine.model_runner import block_size_for
-    from flotilla.serve.kv_endpoint import KV_TRANSPORTS
+    from flotilla.cluster.kv.endpoint import KV_TRANSPORTS
 
     if options.disaggregation_mode != "pd":
         raise ValueError(f"disaggregation_mode={options.disaggregation_mode!r}: build_pd_app needs 'pd'")

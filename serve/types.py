@@ -192,7 +192,7 @@ class PrefillTicket:
         peer_id: the prefill engine's KV peer name, unique per replica incarnation (the
             decode side connects once per peer id and caches the connection).
         peer_metadata: per prefill rank (rank order), the transport metadata of its KV
-            endpoint (``serve.kv_endpoint.KVEndpoint.metadata``).
+            endpoint (``cluster.kv.endpoint.KVEndpoint.metadata``).
         prompt_token_ids: the prompt.
         first_token: the token the prefill sampled after the prompt.
         block_ids: the prefill engine's blocks holding the prompt's KV, in position order.

@@ -45,7 +45,7 @@ from flotilla.cluster.elastic import (
     summed_expert_load,
 )
 from flotilla.cluster.engine.dp_scheduler import DPSchedulerOutput, can_grow_elastic_ep
-from flotilla.cluster.engine.kv_ports import check_kv_attachable
+from flotilla.cluster.kv.port import check_kv_attachable
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.models.sources import ModelSource

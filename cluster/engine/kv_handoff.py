@@ -10,7 +10,7 @@ How blocks move is the caller's: a ``copy_blocks(src_block_ids, dst_block_ids)``
 callable fills decode blocks ``dst[i]`` (every layer, every cache tensor) from prefill
 blocks ``src[i]``. :func:`tensor_block_copier` copies between two caches of this
 process; :func:`transport_block_copier` wraps any object with a
-``read(peer, src_block_ids, dst_block_ids, timeout_s)`` method (``serve.kv_transfer``'s
+``read(peer, src_block_ids, dst_block_ids, timeout_s)`` method (``cluster.kv.transport``'s
 transports; NOTE: duck-typed, so ``cluster/`` never imports ``serve``).
 
 Failure policy (vLLM's ``kv_load_failure_policy``): ``"recompute"`` turns a request

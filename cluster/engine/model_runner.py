@@ -30,7 +30,7 @@ from flotilla.cluster.engine.host_kv_tier import host_kv_blocks
 from flotilla.cluster.engine.input_staging import InputStaging, device_index
 from flotilla.cluster.engine.kernel_backends import dsa_backend_for, has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
-from flotilla.cluster.engine.kv_ports import KVEndpointFactory, KVPort, check_kv_attachable
+from flotilla.cluster.kv.port import KVEndpointFactory, KVPort, check_kv_attachable
 from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.overlap import PENDING_TOKEN, TokenFeed
 from flotilla.cluster.engine.sampler import SampledBatch, SampledToken, Sampler, SamplingRow

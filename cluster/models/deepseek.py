@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flotilla.cluster.models.base import KVCacheSpec, ModelConfig, ParallelLayout
-from flotilla.cluster.models.layers import ColumnParallelLinear, RowParallelLinear
+from flotilla.cluster.models.layers import ColumnParallelLinear
 from flotilla.cluster.models.fp8_linear import ParallelLinears
 from flotilla.cluster.models.fp8_moe import routed_experts
 from flotilla.cluster.models.moe_layer import MoERouter

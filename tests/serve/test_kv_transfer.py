@@ -15,15 +15,14 @@ import pytest
 import ray
 import torch
 
-from flotilla.serve.kv_endpoint import (
+from flotilla.cluster.kv.endpoint import (
     KV_TRANSPORTS,
     KVEndpoint,
     KVEndpointFactory,
     default_kv_transport,
     plan_head_reads,
 )
-from flotilla.serve.kv_transfer import (
-    BlockLeases,
+from flotilla.cluster.kv.transport import (
     HeadSpan,
     KVTransferError,
     NixlTransport,
@@ -32,6 +31,7 @@ from flotilla.serve.kv_transfer import (
     block_runs,
     check_compatible,
 )
+from flotilla.serve.kv_leases import BlockLeases
 
 
 # 2 layers x (K, V), each [16 blocks, 4 tokens, 2 heads, 8]

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from flotilla.kernels.kv_dtype import storage_view
-from flotilla.serve.kv_transfer import HeadSpan, NixlTransport, RayObjectTransport
+from flotilla.cluster.kv.transport import HeadSpan, NixlTransport, RayObjectTransport
 
 
 # 2 layers x (K, V), each [8 blocks, 4 tokens, 2 heads, 8]

@@ -15,7 +15,7 @@ import json, sys, time, psutil
 if sys.argv[1] == "flotilla":
     from flotilla.serve.loopback import use_loopback_only
     use_loopback_only()
-from flotilla.serve.kv_transfer import NixlTransport
+from flotilla.cluster.kv.transport import NixlTransport
 transport = NixlTransport("loopback-probe")
 time.sleep(0.5)
 print(json.dumps(sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"})))

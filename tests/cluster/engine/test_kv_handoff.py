@@ -139,7 +139,7 @@ def test_prefix_cached_blocks_are_not_copied_again(engines):
 def test_decode_through_an_in_process_nixl_transport(engines, monkeypatch):
     path, prompts, expected = engines
     # NOTE: nixl is a pinned dependency: a missing one is an install defect, so no skip.
-    from flotilla.serve.kv_transfer import NixlTransport
+    from flotilla.cluster.kv.transport import NixlTransport
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     prefiller, decoder = make_engine(path), make_engine(path)
     tag = uuid.uuid4().hex[:8]

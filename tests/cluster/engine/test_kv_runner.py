@@ -24,7 +24,7 @@ import ray
 from flotilla.cluster.distributed import Communicator
 from flotilla.cluster.engine.group_runner import GroupRunner
 from flotilla.cluster.engine.kv_handoff import KVHandoffError, decode_prefilled, handoff, prefill, release_prefill
-from flotilla.cluster.engine.kv_ports import KVRankError, check_kv_attachable
+from flotilla.cluster.kv.port import KVRankError, check_kv_attachable
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.model_runner import ModelRunner
 from flotilla.cluster.engine.sampling_params import SamplingParams
@@ -33,7 +33,7 @@ from flotilla.cluster.models.base import ParallelLayout
 from flotilla.cluster.models.layers import kv_head_span
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
-from flotilla.serve.kv_endpoint import KVEndpointFactory
+from flotilla.cluster.kv.endpoint import KVEndpointFactory
 from helpers.prompts import random_prompts
 from helpers.tiny_deepseek import save_tiny_deepseek_v2
 from helpers.torch_threads import one_intra_op_thread

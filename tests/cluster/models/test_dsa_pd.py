@@ -20,7 +20,7 @@ from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
-from flotilla.serve.kv_transfer import NixlTransport
+from flotilla.cluster.kv.transport import NixlTransport
 from helpers.prompts import random_prompts
 from helpers.tiny_dsa import ENGINE_PROMPT_LENS, save_tiny_dsa
 from helpers.torch_threads import one_intra_op_thread

@@ -3,7 +3,7 @@
 A runner (the in-process :class:`~flotilla.cluster.engine.model_runner.ModelRunner`, or each
 :class:`~flotilla.cluster.worker.Worker` rank of a group) holds one :class:`KVPort`. The port
 builds the rank's endpoint from a factory passed in (``factory(rank, kv_caches, head_span)``;
-``serve.kv_endpoint.KVEndpointFactory`` in production) and forwards the runner KV protocol to
+``cluster.kv.endpoint.KVEndpointFactory`` in production) and forwards the runner KV protocol to
 it: metadata, connect, read, export (the Ray fallback's source side), forget, the
 ``fail_next_reads`` test seam, close.
 

@@ -1,6 +1,6 @@
 """One rank's side of KV transfer between two engines whose TP sizes may differ.
 
-:class:`KVEndpoint` wraps a :class:`~flotilla.serve.kv_transfer.KVTransport` of one rank:
+:class:`KVEndpoint` wraps a :class:`~flotilla.cluster.kv.transport.KVTransport` of one rank:
 ``connect(peer_id, metadata)`` takes a peer engine's per-rank transport metadata (it
 travels through Ray), plans which peer rank serves which of this rank's KV heads
 (:func:`plan_head_reads`: each head once, from the lowest-index peer rank holding it) and
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from flotilla.serve.kv_transfer import (
+from flotilla.cluster.kv.transport import (
     HeadSpan,
     KVCaches,
     KVTransferError,
