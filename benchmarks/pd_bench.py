@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from flotilla.deploy.loadgen import http_load
     from flotilla.deploy.serve_cmd import wait_until_healthy
     from flotilla.serve.app import build_app, build_pd_app, ensure_ray, resolve_for_serving, serve_options
-    from flotilla.serve.pd import pd_server_fields
+    from flotilla.serve.plan import pd_server_fields
 
     ensure_ray(None, num_cpus=opts.num_cpus or max(6, os.cpu_count() or 1))
     colocated, model = resolve_for_serving(flags)

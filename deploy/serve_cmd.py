@@ -306,7 +306,7 @@ def resolve_serving(opts: argparse.Namespace, given: dict[str, Any], platform: A
         config, model, plan = resolve_colocated(given, platform)
         decode_config = None
     else:
-        from flotilla.serve.pd import pd_server_fields
+        from flotilla.serve.plan import pd_server_fields
 
         prefill_fields, decode_fields = pd_server_fields(given, opts.prefill_tp, opts.decode_tp)
         config, model = resolve_for_serving(prefill_fields, platform)
@@ -372,7 +372,7 @@ def run_serve(argv: Sequence[str]) -> int:
             ensure_ray(opts.address)  # NOTE: before resolving, so the probe runs on a worker node
         config, decode_config, options = resolve_serving(opts, given)
         if decode_config is not None:
-            from flotilla.serve.pd import check_pd_options
+            from flotilla.serve.plan import check_pd_options
 
             check_pd_options(config, decode_config, options)
     except (ArgumentError, ResolutionError, ValueError) as exc:
@@ -428,7 +428,7 @@ def _start_local(config, options, decode_config=None) -> bool:
     """Start a local Ray cluster with enough logical CPUs for the application."""
     from flotilla.cluster.group import CPU_BUNDLE_SHARE
     from flotilla.serve.app import INGRESS_NUM_CPUS, ensure_ray
-    from flotilla.serve.pd import ranks_in_replica
+    from flotilla.serve.plan import ranks_in_replica
 
     def pool_cpus(pool_config, pool: str, replicas: int) -> float:
         # NOTE: a replica whose ranks run in worker actors reserves CPU_BUNDLE_SHARE per rank.

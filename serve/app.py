@@ -237,7 +237,8 @@ def engine_deployment_options(
     replicas, ``options.router``), ``"prefill"`` (``options.prefill_replicas``, always
     prefix-affinity: the replica holding a prompt's prefix computes it fastest) or
     ``"decode"`` (``options.decode_replicas``, ``options.router``)."""
-    from flotilla.serve.pd import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, ranks_in_replica
+    from flotilla.serve.pd import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
+    from flotilla.serve.plan import ranks_in_replica
 
     name, replicas, router = {
         "colocated": (ENGINE_DEPLOYMENT, options.num_replicas, options.router),
@@ -348,7 +349,7 @@ def build_pd_app(prefill_config: ResolvedConfig, decode_config: ResolvedConfig, 
     """The PD application: the ``ingress`` over a ``prefill`` pool (bound to
     ``prefill_config``) and a ``decode`` pool (bound to ``decode_config``); each config was
     resolved once, for its role (see :func:`flotilla.serve.pd.resolve_pd_configs`)."""
-    from flotilla.serve.pd import check_pd_options
+    from flotilla.serve.plan import check_pd_options
 
     router_class_path(options.router)
     if options.elastic_plan is not None:
@@ -648,7 +649,7 @@ def build(args: dict[str, Any]) -> Application:
 
     decode_config, plan = None, None
     if pd:
-        from flotilla.serve.pd import check_pd_options, pd_server_fields
+        from flotilla.serve.plan import check_pd_options, pd_server_fields
 
         prefill_fields, decode_fields = pd_server_fields(given, opt("prefill_tp", int), opt("decode_tp", int))
         config, model = resolve_for_serving(prefill_fields)

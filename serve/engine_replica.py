@@ -132,7 +132,7 @@ class EngineReplica:
     def _kv_runner(self) -> Any:
         """The model runner of a PD role, with a KV endpoint on every rank."""
         from flotilla.cluster.kv.endpoint import KVEndpointFactory
-        from flotilla.serve.pd import ranks_in_replica
+        from flotilla.serve.plan import ranks_in_replica
 
         factory = KVEndpointFactory(kind=self.options.kv_transport, name=f"{self.replica_id}-{uuid.uuid4().hex[:8]}")
         if ranks_in_replica(self.config, self.options, self.pool):

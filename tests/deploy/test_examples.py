@@ -140,7 +140,7 @@ def test_llama_70b_resolves_for_tp8_on_one_h200_node(tmp_path):
 
 
 def test_pd_example_resolves_each_pool_and_pins_it_to_its_node_group(tmp_path):
-    from flotilla.serve.pd import check_pd_options
+    from flotilla.serve.plan import check_pd_options
 
     opts, prefill, decode, options = resolve_example("pd-node-groups.yaml", tmp_path)
     assert opts.pd and (prefill.disaggregation_mode, decode.disaggregation_mode) == ("prefill", "decode")

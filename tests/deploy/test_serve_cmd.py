@@ -6,7 +6,7 @@ import pytest
 
 from flotilla.deploy.serve_cmd import parse_serve_args, resolve_serving, run_serve, split_pd_mode
 from flotilla.resolution import ArgumentError
-from flotilla.serve.pd import check_pd_options, pd_server_fields
+from flotilla.serve.plan import check_pd_options, pd_server_fields
 from flotilla.serve.types import ServeOptions
 
 

@@ -213,7 +213,7 @@ def test_disaggregation_decode_enable_radix_cache_keeps_the_decode_pools_prefix_
     cache (flotilla's PD default): a repeated prompt is served from cached blocks. With
     ``--disaggregation-decode-enable-radix-cache false`` it runs without one (SGLang's decode
     default), and the repeat caches nothing."""
-    from flotilla.serve.pd import pd_server_fields
+    from flotilla.serve.plan import pd_server_fields
 
     prompt = list(range(3, 43))
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace

@@ -57,7 +57,7 @@ def _deploy(serve_http: str, tiny, app: str, prefix: str, prefill_tp: int, decod
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
     from flotilla.serve.app import build_pd_app, resolve_for_serving, serve_options
-    from flotilla.serve.pd import pd_server_fields
+    from flotilla.serve.plan import pd_server_fields
 
     platform = probe()
     given = {"model_path": tiny.path, "max_total_tokens": 1024}

@@ -33,7 +33,7 @@ def pd(serve_http):
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
     from flotilla.serve.app import build_pd_app, resolve_for_serving, serve_options
-    from flotilla.serve.pd import pd_server_fields
+    from flotilla.serve.plan import pd_server_fields
 
     platform = probe()
     prefill_fields, decode_fields = pd_server_fields({"max_total_tokens": POOL_TOKENS})

@@ -55,7 +55,7 @@ def apps(serve_http):
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
     from flotilla.serve.app import build_app, build_pd_app, resolve_for_serving, serve_options
-    from flotilla.serve.pd import pd_server_fields
+    from flotilla.serve.plan import pd_server_fields
 
     platform = probe()  # NOTE: one local node: probing here equals probing a worker
     given = {"max_total_tokens": 4096}
