@@ -217,9 +217,9 @@ def engine_capacity(config: ResolvedConfig, options: ServeOptions) -> int:
     """Requests one engine replica accepts before its queue bound rejects: its running
     cap plus ``options.max_queued_requests``. An elastic EP replica's running cap is the
     one of its largest group (DP ranks that join get the launch's per-rank budget)."""
-    from flotilla.cluster.engine.model_runner import DEFAULT_MAX_RUNNING_REQUESTS
+    from flotilla.cluster.engine.limits import max_num_seqs_for
 
-    running = int(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+    running = max_num_seqs_for(config)
     plan = options.elastic_plan
     if plan is not None:
         running = running * plan.max_ep_size // plan.initial_size

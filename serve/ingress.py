@@ -65,8 +65,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from flotilla.serve.elastic_ep import NEW_EP_SIZE, NEW_EP_SIZE_ALIAS, ElasticScaleError, not_elastic_message
 from flotilla.serve.metrics import merge_expositions
+from flotilla.cluster.engine.limits import block_size_for
 from flotilla.cluster.models.tokenizer import load_chat_template
-from flotilla.serve.prompts import normalize_prompts, prefix_block_size, prefix_key, render_chat
+from flotilla.serve.prompts import normalize_prompts, prefix_key, render_chat
 from flotilla.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -348,7 +349,7 @@ class _Ingress:
         self.chat_template = load_chat_template(getattr(config, "chat_template", None))
         self.template_kwargs = dict(getattr(config, "default_chat_template_kwargs", None) or {})
         self.request_log = RequestLogSettings.of(config)
-        self.block_size = prefix_block_size(config)
+        self.block_size = block_size_for(config)  # NOTE: a prefix key covers one KV block
         self.registry = CollectorRegistry(auto_describe=True)
         self.http_requests = Counter(
             "flotilla:http_requests",

@@ -58,7 +58,7 @@ def ranks_in_replica(config: Any, options: ServeOptions, pool: str) -> bool:
 def check_pd_options(prefill_config: Any, decode_config: Any, options: ServeOptions) -> None:
     """Refuse a PD setup that cannot work, with a message naming the flag and value."""
     from flotilla.cluster.engine.kv_handoff import check_policy
-    from flotilla.cluster.engine.model_runner import block_size_for
+    from flotilla.cluster.engine.limits import block_size_for
     from flotilla.cluster.kv.endpoint import KV_TRANSPORTS
 
     if options.disaggregation_mode != "pd":

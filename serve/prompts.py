@@ -11,11 +11,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from flotilla.cluster.engine.limits import DEFAULT_BLOCK_SIZE
 from flotilla.serve.protocol import APIError, ChatMessage, bad_request, quote
 
-# Tokens per prefix-routing block when the config does not set a page size above 1
-# (the engine's default KV block size, cluster.engine.model_runner.DEFAULT_BLOCK_SIZE).
-DEFAULT_PREFIX_BLOCK = 16
+# Tokens per prefix-routing block when there is no config: the engine's default KV block size.
+DEFAULT_PREFIX_BLOCK = DEFAULT_BLOCK_SIZE
 _MASK64 = (1 << 64) - 1
 
 
@@ -95,12 +95,6 @@ def normalize_prompts(prompt: Any, tokenizer: Any, max_prompts: int | None = Non
                 raise bad_request(f"{where} holds a negative token id (got {quote(min(ids))})", "prompt")
             out.append(Prompt(ids))
     return out
-
-
-def prefix_block_size(config: Any) -> int:
-    """Tokens per prefix-routing block: the KV page size when it is above 1, else 16."""
-    page = getattr(config, "page_size", None) or 1
-    return int(page) if page > 1 else DEFAULT_PREFIX_BLOCK
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int = DEFAULT_PREFIX_BLOCK) -> int | None:

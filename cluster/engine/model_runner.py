@@ -30,6 +30,7 @@ from flotilla.cluster.engine.host_kv_tier import host_kv_blocks
 from flotilla.cluster.engine.input_staging import InputStaging, device_index
 from flotilla.cluster.engine.kernel_backends import dsa_backend_for, has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
+from flotilla.cluster.engine.limits import DEFAULT_BLOCK_SIZE, block_size_for, max_num_seqs_for
 from flotilla.cluster.kv.port import KVEndpointFactory, KVPort, check_kv_attachable
 from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.overlap import PENDING_TOKEN, TokenFeed
@@ -51,11 +52,6 @@ from flotilla.resolution.model_derive import is_deepseek_dsa
 
 # KV cache capacity on CPU when --max-total-tokens is not given.
 DEFAULT_CPU_KV_TOKENS = 8192
-# Block size when the resolved page_size is 1 (a token-granular pool, which the
-# torch backend does not need): 16 tokens, vLLM's default.
-DEFAULT_BLOCK_SIZE = 16
-# Requests running at once when --max-running-requests is not given.
-DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 @dataclass(frozen=True)
@@ -91,21 +87,6 @@ class KVCacheLayout:
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
-
-
-def block_size_for(config: ResolvedConfig) -> int:
-    """The resolved ``page_size`` when it is above 1, else :data:`DEFAULT_BLOCK_SIZE`."""
-    page_size = config.page_size or 1
-    return page_size if page_size > 1 else DEFAULT_BLOCK_SIZE
-
-
-def max_num_seqs_for(config: ResolvedConfig) -> int:
-    """The most requests one step can hold: ``--max-running-requests`` (default 256), capped at
-    the step's token budget (every running request decodes one token per step). The scheduler
-    (``scheduler_config_for``) and the decode graphs use this one number."""
-    chunk = config.chunked_prefill_size
-    budget = chunk if chunk is not None and chunk > 0 else int(config.max_prefill_tokens or 16384)
-    return int(min(config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS, budget))
 
 
 class ModelRunner:

@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from flotilla.cluster.engine.limits import block_size_for
+
 from flotilla.resolution import ArgumentError
 from helpers.live_metrics import metrics, total, wait_for
 from flotilla.serve.app import (
@@ -152,9 +154,9 @@ def test_prefix_affinity_keeps_each_prefix_on_one_replica(app):
     family's requests on one replica. Checked through the replicas' own routing stats (the
     prefix keys each has served). Two per family per replica, since an engine that runs 2
     and queues 2 refuses a third request arriving in the same instant."""
-    from flotilla.serve.prompts import prefix_block_size, prefix_key
+    from flotilla.serve.prompts import prefix_key
 
-    block = prefix_block_size(app.config)
+    block = block_size_for(app.config)
     family_a = [1000 + i for i in range(block + 4)]
     family_b = [2000 + i for i in range(block + 4)]
     key_a, key_b = prefix_key(family_a, block), prefix_key(family_b, block)

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from flotilla.cluster.engine.limits import block_size_for
+
 from flotilla.cluster.engine.outputs import Logprob
-from flotilla.serve.prompts import normalize_prompts, prefix_block_size, prefix_key, render_chat
+from flotilla.serve.prompts import normalize_prompts, prefix_key, render_chat
 from flotilla.serve.protocol import (
     APIError,
     ChatCompletionChunk,
@@ -197,9 +199,9 @@ def test_prefix_key():
     class Config:
         page_size = None
 
-    assert prefix_block_size(Config()) == 16
+    assert block_size_for(Config()) == 16
     Config.page_size = 32
-    assert prefix_block_size(Config()) == 32
+    assert block_size_for(Config()) == 32
 
 
 def test_response_shapes():
