@@ -74,16 +74,6 @@ ELASTIC = dict(
 )
 
 
-def _resolve(model_dir: str, flags: dict):
-    from flotilla.cluster.models.sources import resolve_model_source
-    from flotilla.cluster.platform import probe
-    from flotilla.resolution import ModelFacts, ServerArgs, resolve
-
-    source = resolve_model_source(model_dir)
-    args = ServerArgs.create(model_path=model_dir, **flags)
-    return resolve(args, ModelFacts.from_hf_config(source.config_dict), probe()), source
-
-
 async def _stream(engine, request, arrivals: list[float]) -> int:
     tokens = 0
     async for chunk in engine.generate(request):
@@ -167,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
+    from flotilla.cluster.models.sources import resolve_model_source
+    from flotilla.cluster.platform import probe
     from flotilla.serve.async_engine import AsyncEngine
-    from flotilla.serve.elastic_ep import joiner_fields
+    from flotilla.serve.plan import plan_serving
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # NOTE: address="local": a cluster of its own, even where another process's cluster runs here.
@@ -176,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(SHAPE))
-        config, source = _resolve(model_dir, flags)
-        joiner_config, _ = _resolve(model_dir, joiner_fields(flags, current=1, new=2, initial=1))
+        # NOTE: the serving plan resolves the primary and its joiners, as flotilla serve does.
+        plan = plan_serving({"model_path": model_dir, **flags}, platform=probe())
+        config, source = plan.config, resolve_model_source(model_dir)
+        joiner_config = plan.options.elastic_plan.joiner_config(1, 2)
         for index in range(args.rounds):
             engine = AsyncEngine.from_config(config, source, None, 4 * args.streams, replica_id=f"bench-{index}")
             try:

@@ -155,16 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     from flotilla.cluster.models.sources import resolve_model_source
     from flotilla.deploy.loadgen import http_load
     from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_app, build_pd_app, ensure_ray, resolve_for_serving, serve_options
+    from flotilla.serve.app import build_app, build_pd_app, ensure_ray
+    from flotilla.serve.plan import resolve_pool, serve_options
     from flotilla.serve.plan import pd_server_fields
 
     ensure_ray(None, num_cpus=opts.num_cpus or max(6, os.cpu_count() or 1))
-    colocated, model = resolve_for_serving(flags)
+    colocated, model = resolve_pool(flags)
     prefill_fields, decode_fields = pd_server_fields(flags)
     # NOTE: the decode pool's prefix cache stays off too (pd_server_fields turns it on by default).
     decode_fields["disaggregation_decode_enable_radix_cache"] = False
-    prefill, _ = resolve_for_serving(prefill_fields)
-    decode, _ = resolve_for_serving(decode_fields)
+    prefill, _ = resolve_pool(prefill_fields)
+    decode, _ = resolve_pool(decode_fields)
     colocated_options = serve_options(colocated, model=model)
     pd_options = serve_options(decode, model=model, disaggregation_mode="pd", kv_transport=opts.kv_transport)
     source = resolve_model_source(model)

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from flotilla.cluster.models.sources import resolve_model_source
     from flotilla.deploy.loadgen import engine_load, http_load
     from flotilla.deploy.serve_cmd import deploy
-    from flotilla.serve.app import ensure_ray, resolve_for_serving, serve_options
+    from flotilla.serve.app import ensure_ray
+    from flotilla.serve.plan import plan_serving
     from flotilla.serve.async_engine import AsyncEngine
 
     ensure_ray(None, num_cpus=4)
@@ -116,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config, model = resolve_for_serving({**flags, "port": port})
-    options = serve_options(config, model=model, stream_batch_ms=opts.stream_batch_ms)
-    source = resolve_model_source(model)
+    plan = plan_serving({**flags, "port": port}, stream_batch_ms=opts.stream_batch_ms)
+    config, options = plan.config, plan.options
+    source = resolve_model_source(options.model)
     prompts = random_token_prompts(opts.num_requests, opts.input_len, int(source.config_dict["vocab_size"]), opts.seed)
     warm = prompts[:4]
 
-    url = deploy(config, options)
+    url = deploy(plan)
 
     def run_http():
         return asyncio.run(http_load(url, options.served_model_name, prompts, opts.output_len, opts.concurrency))

@@ -66,7 +66,7 @@ import urllib.request
 from typing import Any, Sequence
 
 from flotilla.cluster.log_level import apply_log_level
-from flotilla.cluster.models.sources import check_user_settings
+from flotilla.cluster.engine.configure import check_user_settings
 from flotilla.deploy.config_file import config_argv, load_serve_config, split_config_flag
 from flotilla.resolution import ArgumentError, ResolutionError
 from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
@@ -293,38 +293,29 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
     return opts, given
 
 
-def resolve_serving(opts: argparse.Namespace, given: dict[str, Any], platform: Any = None) -> tuple[Any, Any, Any]:
-    """Resolve once per pool: (config, decode config or None, ServeOptions). In PD mode
-    ``config`` is the prefill pool's. An elastic EP deployment's joining groups are
-    resolved here too (``options.elastic_plan``), for the same platform facts.
-    ``platform``: the PlatformFacts to resolve for (default: probed on a worker node; a
-    preset such as ``PRESETS["h200"]`` plans for hardware this machine lacks)."""
-    from flotilla.serve.app import resolve_colocated, resolve_for_serving, serve_options
+def plan_for(opts: argparse.Namespace, given: dict[str, Any], platform: Any = None) -> Any:
+    """The :class:`~flotilla.serve.plan.ServePlan` of the parsed flags (one pool, or PD's two;
+    an elastic EP deployment's joiners), resolved once. ``platform``: the PlatformFacts to
+    resolve for (default: probed on a worker node; a preset such as ``PRESETS["h200"]`` plans
+    for hardware this machine lacks)."""
+    # NOTE: imported here: the plan imports Ray, which reads its loopback setting at import
+    # (run_serve sets it first for a local cluster).
+    from flotilla.serve.plan import plan_serving
 
-    plan = None
-    if not opts.pd:
-        config, model, plan = resolve_colocated(given, platform)
-        decode_config = None
-    else:
-        from flotilla.serve.plan import pd_server_fields
-
-        prefill_fields, decode_fields = pd_server_fields(given, opts.prefill_tp, opts.decode_tp)
-        config, model = resolve_for_serving(prefill_fields, platform)
-        decode_config, _ = resolve_for_serving(decode_fields, platform)
-    options = serve_options(
-        decode_config or config,
-        model=model,
-        served_model_name_given=given.get("served_model_name"),
+    return plan_serving(
+        given,
+        platform=platform,
+        pd=opts.pd,
+        prefill_tp=opts.prefill_tp,
+        decode_tp=opts.decode_tp,
         router=opts.router,
         num_replicas=opts.num_replicas,
         replica_num_cpus=opts.replica_num_cpus,
         stream_batch_ms=opts.stream_batch_ms,
-        disaggregation_mode="pd" if opts.pd else "null",
         prefill_replicas=opts.prefill_replicas,
         decode_replicas=opts.decode_replicas,
         kv_transport=opts.kv_transport,
         kv_load_failure_policy=opts.kv_load_failure_policy,
-        elastic_plan=plan,
         elastic_autoscale=getattr(opts, "elastic_autoscale", None),
         max_body_bytes=getattr(opts, "max_body_bytes", None),
         placement=getattr(opts, "placement", None),
@@ -334,7 +325,6 @@ def resolve_serving(opts: argparse.Namespace, given: dict[str, Any], platform: A
         http_keep_alive_timeout_s=getattr(opts, "http_keep_alive_timeout_s", None),
         http_request_timeout_s=getattr(opts, "http_request_timeout_s", None),
     )
-    return config, decode_config, options
 
 
 def run_serve(argv: Sequence[str]) -> int:
@@ -370,16 +360,13 @@ def run_serve(argv: Sequence[str]) -> int:
     try:
         if joining:
             ensure_ray(opts.address)  # NOTE: before resolving, so the probe runs on a worker node
-        config, decode_config, options = resolve_serving(opts, given)
-        if decode_config is not None:
-            from flotilla.serve.plan import check_pd_options
-
-            check_pd_options(config, decode_config, options)
+        plan = plan_for(opts, given)
     except (ArgumentError, ResolutionError, ValueError) as exc:
         _print_error(exc)
         return 2
+    config, options = plan.config, plan.options
     apply_log_level(config)
-    started_local = False if joining else _start_local(config, options, decode_config)
+    started_local = False if joining else _start_local(plan)
     serve_was_running = _serve_running()
     if serve_was_running and serves_tls(config):
         # NOTE: Serve keeps the HTTP options it started with; the proxy could speak plain HTTP.
@@ -397,7 +384,7 @@ def run_serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
     try:
-        url = deploy(config, options, decode_config)
+        url = deploy(plan)
     except KeyboardInterrupt:
         print("flotilla serve: interrupted while starting; shutting down", file=sys.stderr)
         _shutdown(started_local, serve_was_running)
@@ -424,29 +411,11 @@ def _print_error(exc: Exception) -> None:
         print(f"flotilla serve: error: {exc}", file=sys.stderr)
 
 
-def _start_local(config, options, decode_config=None) -> bool:
+def _start_local(plan: Any) -> bool:
     """Start a local Ray cluster with enough logical CPUs for the application."""
-    from flotilla.cluster.group import CPU_BUNDLE_SHARE
-    from flotilla.serve.app import INGRESS_NUM_CPUS, ensure_ray
-    from flotilla.serve.plan import ranks_in_replica
+    from flotilla.serve.app import cpus_needed, ensure_ray
 
-    def pool_cpus(pool_config, pool: str, replicas: int) -> float:
-        # NOTE: a replica whose ranks run in worker actors reserves CPU_BUNDLE_SHARE per rank.
-        ranks = 0 if ranks_in_replica(pool_config, options, pool) else int(pool_config.tp_size or 1)
-        return replicas * (options.replica_num_cpus + ranks * CPU_BUNDLE_SHARE)
-
-    if decode_config is None:
-        engines = pool_cpus(config, "colocated", options.num_replicas)
-        plan = options.elastic_plan
-        if plan is not None:
-            # NOTE: room for the joiners' placement group at the largest size.
-            engines += (plan.max_ep_size - plan.initial_size) * CPU_BUNDLE_SHARE
-    else:
-        engines = pool_cpus(config, "prefill", options.prefill_replicas) + pool_cpus(
-            decode_config, "decode", options.decode_replicas
-        )
-    needed = math.ceil(engines + INGRESS_NUM_CPUS + 1)
-    return ensure_ray(None, num_cpus=max(4, os.cpu_count() or 1, needed))
+    return ensure_ray(None, num_cpus=max(4, os.cpu_count() or 1, math.ceil(cpus_needed(plan) + 1)))
 
 
 def _serve_running() -> bool:
@@ -489,16 +458,16 @@ def http_options(config, serving: Any = None) -> dict[str, Any]:
     return options
 
 
-def deploy(config, options, decode_config=None) -> str:
-    """Start Serve's proxy on ``config.host``:``config.port`` (HTTPS with the ``--ssl-*``
-    flags), deploy the application (PD mode: ``config`` is the prefill pool's,
-    ``decode_config`` the decode pool's) and wait until ``/health`` answers; returns the
-    base URL (``http://host:port`` or ``https://host:port``)."""
+def deploy(plan: Any) -> str:
+    """Start Serve's proxy on ``--host``:``--port`` (HTTPS with the ``--ssl-*`` flags), deploy
+    the plan's application and wait until ``/health`` answers; returns the base URL
+    (``http://host:port`` or ``https://host:port``)."""
     from ray import serve
 
-    from flotilla.serve.app import APP_NAME, build_app, build_pd_app
+    from flotilla.serve.app import APP_NAME, build_application
 
-    app = build_app(config, options) if decode_config is None else build_pd_app(config, decode_config, options)
+    config, options = plan.config, plan.options
+    app = build_application(plan)
     # NOTE: HeadOnly: one proxy, on the node this URL names (the head, where jobs run).
     serve.start(http_options=http_options(config, options), proxy_location="HeadOnly")
     with _quiet_reconnect_note():

@@ -1,7 +1,11 @@
-"""flotilla.resolution: resolve the whole server configuration once, as a pure
-function of the user's flags, the model's config.json and the platform's facts.
+"""flotilla.resolution: the whole server configuration, resolved once, as a pure function
+of the user's flags (``ServerArgs``), the model's config.json (``ModelFacts``) and the
+platform's facts (``PlatformFacts``) -> a frozen ``ResolvedConfig`` with provenance.
 
-This package imports no other project package, no torch and no ray.
+Contract: no I/O beyond what the caller hands in, no environment reads, no device probes;
+imports no other project package, no torch, no ray (a test enforces it). The rules are the
+seeds' (SGLang's). ``runtime_support`` says what the runtime does with each resolved field
+(honored, refused, noop) and checks a launch against it.
 """
 
 from flotilla.resolution.args import ServerArgs

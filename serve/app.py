@@ -3,20 +3,19 @@
     client --HTTP--> Serve proxy --> "ingress" (FastAPI: OpenAI schema, tokenize)
         --handle, routed by flotilla.serve.router--> "engine" replicas (EngineReplica)
 
-- :func:`build_app` turns one resolved configuration into the application
-  (``serve.run(build_app(config, options))``); ``flotilla serve`` does that.
+- :func:`build_application` turns a :class:`~flotilla.serve.plan.ServePlan` (resolved once by
+  :func:`~flotilla.serve.plan.plan_serving`) into the application: :func:`build_app` for one
+  engine pool, :func:`build_pd_app` for a prefill and a decode pool; ``flotilla serve`` does that.
 - :func:`build` is the same for ``serve run flotilla.serve.app:build model_path=... tp_size=2``
   and Serve config files: arguments by their server field names (SGLang's), plus the
   :class:`ServeOptions` fields ``router``, ``num_replicas``, ``replica_num_cpus``,
   ``max_body_bytes``, ``max_prompts_per_request``, ``request_body_timeout_s``,
-  ``max_header_bytes``; it resolves once, probing the platform on a worker node.
+  ``max_header_bytes``; it plans once, probing the platform on a worker node.
 - :class:`ServeEngineClient` is the ingress's :class:`EngineClient` over the engine
   deployment's handle (and its :class:`ElasticEPClient`: the elastic EP admin calls).
-- Elastic EP (``--elastic-ep-backend ray --max-ep-size M``): :func:`resolve_colocated`
-  resolves the primary and, with the same platform facts, every joining group
-  (:func:`~flotilla.serve.elastic_ep.resolve_elastic_plan`); the plan travels in
-  ``ServeOptions.elastic_plan``. The group grows inside its one engine replica, so an
-  elastic deployment has exactly one.
+- Elastic EP (``--elastic-ep-backend ray --max-ep-size M``): the plan holds every joining
+  group's config (``ServeOptions.elastic_plan``). The group grows inside its one engine
+  replica, so an elastic deployment has exactly one.
 
 NOTE: the config reaches every replica as one pickled object: Serve pickles a deployment's
 bind arguments once, keeps them in the controller and unpickles the same bytes in each
@@ -31,26 +30,33 @@ import asyncio
 import logging
 import os
 import re
-from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
 
 from ray import serve
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
+from flotilla.cluster.engine.configure import check_user_settings
+from flotilla.cluster.engine.limits import max_num_seqs_for
+from flotilla.cluster.group import CPU_BUNDLE_SHARE
 from flotilla.cluster.log_level import apply_log_level
-from flotilla.cluster.models.sources import check_user_settings, context_len_of, served_model_source
+from flotilla.cluster.models.sources import context_len_of, served_model_source
 from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
 from flotilla.resolution import ArgumentError, ResolvedConfig, ServerArgs
+from flotilla.resolution.args import closest_flag
 from flotilla.resolution.fields import FIELDS
+from flotilla.serve.engine_replica import EngineReplica
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
-from flotilla.serve.handles import call, stream_chunks
-from flotilla.serve.ingress import configure_access_log
+from flotilla.serve.handles import call, engine_error, stream_chunks
+from flotilla.serve.ingress import configure_access_log, create_app
 from flotilla.serve.loopback import use_loopback_only
+from flotilla.serve.metrics import collect_metrics_text
+from flotilla.serve.pd import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, PDEngineClient
+from flotilla.serve.plan import ServePlan, check_elastic_options, check_pd_options, plan_serving, ranks_in_replica
 from flotilla.serve.request_log import configure_request_log
 from flotilla.serve.router import router_class_path
 from flotilla.serve.types import (
-    ElasticAutoscaleOptions,
+    EngineUnavailableError,
     GenerateChunk,
     GenerateRequest,
     ServeOptions,
@@ -85,7 +91,6 @@ SCALE_COMMIT_MARGIN_S = 600.0
 # Bounds on the ingress's calls for /health and /metrics.
 HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 5.0
-DEFAULT_SERVED_MODEL_NAME = "smollm2"
 # build() arguments that are serving options, not server fields.
 OPTION_ARGS = (
     "router", "num_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement",
@@ -133,8 +138,6 @@ class ServeEngineClient:
     async def metrics_text(self) -> str:
         """Every live engine replica's ``flotilla:`` metrics, merged (one ``replica``
         label per replica), from the namespace's metrics hub."""
-        from flotilla.serve.metrics import collect_metrics_text
-
         return await collect_metrics_text(self._metrics_timeout_s)
 
     async def scale_elastic_ep(self, new_ep_size: Any) -> dict[str, Any]:
@@ -155,13 +158,9 @@ class ServeEngineClient:
         return dict(await self._admin(self._handle.elastic_ep_state, timeout_s=HEALTH_TIMEOUT_S))
 
     async def _admin(self, method: Any, *args: Any, timeout_s: float | None = None) -> Any:
-        from flotilla.serve.handles import engine_error
-
         try:
             return await asyncio.wait_for(_awaited(call(method, *args)), timeout_s)
         except asyncio.TimeoutError:
-            from flotilla.serve.types import EngineUnavailableError
-
             raise EngineUnavailableError(f"the engine replica did not answer within {timeout_s:g} s") from None
         except Exception as exc:
             error = engine_error(exc)
@@ -187,8 +186,6 @@ class OpenAIIngress:
             scale_timeout = None if plan is None else plan.scale_timeout_s + SCALE_COMMIT_MARGIN_S
             self._client = ServeEngineClient(engine, scale_timeout_s=scale_timeout)
         else:
-            from flotilla.serve.pd import PDEngineClient
-
             # NOTE: PD mode: ``engine`` is the prefill pool's handle.
             self._client = PDEngineClient(engine, decode_engine, options.kv_load_failure_policy)
         self._config, self._options = config, options
@@ -202,8 +199,6 @@ class OpenAIIngress:
         self._tokenizer = None if config.skip_tokenizer_init else load_tokenizer_or_none(source, config.tokenizer_path)[0]
 
     def __serve_build_asgi_app__(self):
-        from flotilla.serve.ingress import create_app
-
         # NOTE: Serve's proxy echoes X-Request-Id itself.
         return create_app(
             self._client, self._tokenizer, self._options, self._config, echo_request_id=False, max_model_len=self._max_model_len
@@ -217,8 +212,6 @@ def engine_capacity(config: ResolvedConfig, options: ServeOptions) -> int:
     """Requests one engine replica accepts before its queue bound rejects: its running
     cap plus ``options.max_queued_requests``. An elastic EP replica's running cap is the
     one of its largest group (DP ranks that join get the launch's per-rank budget)."""
-    from flotilla.cluster.engine.limits import max_num_seqs_for
-
     running = max_num_seqs_for(config)
     plan = options.elastic_plan
     if plan is not None:
@@ -237,9 +230,6 @@ def engine_deployment_options(
     replicas, ``options.router``), ``"prefill"`` (``options.prefill_replicas``, always
     prefix-affinity: the replica holding a prompt's prefix computes it fastest) or
     ``"decode"`` (``options.decode_replicas``, ``options.router``)."""
-    from flotilla.serve.pd import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
-    from flotilla.serve.plan import ranks_in_replica
-
     name, replicas, router = {
         "colocated": (ENGINE_DEPLOYMENT, options.num_replicas, options.router),
         "prefill": (PREFILL_DEPLOYMENT, options.prefill_replicas, "prefix-affinity"),
@@ -285,6 +275,25 @@ def engine_deployment_options(
     )
 
 
+def cpus_needed(plan: ServePlan) -> float:
+    """The logical CPUs the plan's application reserves on a Ray cluster: every engine
+    replica's ``replica_num_cpus``, a CPU bundle per rank of a replica whose ranks run in worker
+    actors (and of an elastic EP deployment's joiners at its largest size), the ingress's."""
+    options = plan.options
+
+    def pool(config: ResolvedConfig, name: str, replicas: int) -> float:
+        ranks = 0 if ranks_in_replica(config, options, name) else int(config.tp_size or 1)
+        return replicas * (options.replica_num_cpus + ranks * CPU_BUNDLE_SHARE)
+
+    if plan.pd:
+        engines = pool(plan.config, "prefill", options.prefill_replicas) + pool(plan.decode_config, "decode", options.decode_replicas)
+    else:
+        engines = pool(plan.config, "colocated", options.num_replicas)
+        if options.elastic_plan is not None:
+            engines += (options.elastic_plan.max_ep_size - options.elastic_plan.initial_size) * CPU_BUNDLE_SHARE
+    return engines + INGRESS_NUM_CPUS
+
+
 def total_engine_replicas(options: ServeOptions) -> int:
     """Engine replicas of the application (both pools in PD mode)."""
     if options.disaggregation_mode == "pd":
@@ -308,8 +317,6 @@ def ingress_deployment_options(config: ResolvedConfig, options: ServeOptions) ->
 
 
 def _engine_class() -> Deployment:
-    from flotilla.serve.engine_replica import EngineReplica
-
     return EngineReplica if isinstance(EngineReplica, Deployment) else serve.deployment(EngineReplica)
 
 
@@ -324,33 +331,10 @@ def build_app(config: ResolvedConfig, options: ServeOptions) -> Application:
     return OpenAIIngress.options(**ingress_deployment_options(config, options)).bind(engine, config, options)
 
 
-def check_elastic_options(options: ServeOptions) -> None:
-    """Refuse options an elastic EP deployment cannot serve with: more than one engine
-    replica (the group grows inside one replica), PD mode, or the autoscaler without
-    an elastic plan; ValueError naming the flag and value."""
-    autoscale = options.elastic_autoscale.enabled
-    if options.elastic_plan is None:
-        if autoscale:
-            raise ValueError(
-                "--elastic-ep-autoscale needs an elastic EP deployment: --elastic-ep-backend ray with "
-                "--max-ep-size above --tp-size (and --enable-dp-attention --enable-dp-lm-head)"
-            )
-        return
-    if options.num_replicas != 1:
-        raise ValueError(
-            f"--num-replicas {options.num_replicas}: an elastic EP deployment runs one engine replica "
-            "(its group grows inside that replica up to --max-ep-size); drop --num-replicas"
-        )
-    if options.disaggregation_mode != "null":
-        raise ValueError("elastic EP (--max-ep-size) grows a colocated deployment; drop --disaggregation-mode pd")
-
-
 def build_pd_app(prefill_config: ResolvedConfig, decode_config: ResolvedConfig, options: ServeOptions) -> Application:
     """The PD application: the ``ingress`` over a ``prefill`` pool (bound to
     ``prefill_config``) and a ``decode`` pool (bound to ``decode_config``); each config was
-    resolved once, for its role (see :func:`flotilla.serve.pd.resolve_pd_configs`)."""
-    from flotilla.serve.plan import check_pd_options
-
+    resolved once, for its role (:func:`~flotilla.serve.plan.plan_serving`)."""
     router_class_path(options.router)
     if options.elastic_plan is not None:
         raise ValueError("elastic EP (--max-ep-size) grows a colocated deployment; drop --disaggregation-mode pd")
@@ -366,153 +350,16 @@ def build_pd_app(prefill_config: ResolvedConfig, decode_config: ResolvedConfig, 
     return ingress.bind(prefill, decode_config, options, decode_engine=decode)
 
 
+def build_application(plan: ServePlan) -> Application:
+    """The Serve application of a :class:`~flotilla.serve.plan.ServePlan`: the PD
+    application for a plan with a decode pool (:func:`build_pd_app`), else one engine pool
+    behind the ingress (:func:`build_app`)."""
+    if plan.pd:
+        return build_pd_app(plan.config, plan.decode_config, plan.options)
+    return build_app(plan.config, plan.options)
+
+
 # -- resolution for serving ----------------------------------------------------------------
-
-
-def served_model_name(model: str | None, explicit: str | None = None) -> str:
-    """The name ``/v1/models`` reports: ``--served-model-name`` when given; ``smollm2``
-    for the embedded default; else the ``--model`` value, a local path by its last part
-    (``/models/llama3`` -> ``llama3``, ``x/y.gguf`` -> ``y``)."""
-    if explicit:
-        return explicit
-    if model is None or model.strip().lower() == DEFAULT_SERVED_MODEL_NAME:
-        return DEFAULT_SERVED_MODEL_NAME
-    path = Path(model).expanduser()
-    if path.exists():
-        return path.stem if path.suffix.lower() == ".gguf" else path.name
-    return model
-
-
-def serve_options(
-    config: ResolvedConfig,
-    *,
-    model: str | None,
-    served_model_name_given: str | None = None,
-    router: str = "least-loaded",
-    num_replicas: int | None = None,
-    replica_num_cpus: float | None = None,
-    max_body_bytes: int | None = None,
-    stream_batch_ms: float | None = None,
-    disaggregation_mode: str = "null",
-    prefill_replicas: int | None = None,
-    decode_replicas: int | None = None,
-    kv_transport: str = "auto",
-    kv_load_failure_policy: str = "recompute",
-    elastic_plan: Any = None,
-    elastic_autoscale: ElasticAutoscaleOptions | None = None,
-    placement: Mapping[str, Mapping[str, float]] | None = None,
-    max_prompts_per_request: int | None = None,
-    request_body_timeout_s: float | None = None,
-    max_header_bytes: int | None = None,
-    http_keep_alive_timeout_s: int | None = None,
-    http_request_timeout_s: float | None = None,
-) -> ServeOptions:
-    """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
-    from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
-    replica when DP attention keeps the DP ranks inside one engine). The limits on hostile
-    clients (``max_prompts_per_request``, ``request_body_timeout_s``, ``max_header_bytes``,
-    Serve's ``http_keep_alive_timeout_s`` and ``http_request_timeout_s``) default to
-    :class:`ServeOptions`' and are checked by :func:`check_client_limits`. PD mode
-    (``disaggregation_mode="pd"``): one prefill and one decode replica by default;
-    ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback.
-    Elastic EP: ``elastic_plan`` from :func:`resolve_colocated`, ``elastic_autoscale``
-    (default off); refused as :func:`check_elastic_options` says. ``placement``: the Ray
-    resources pinning each group of ranks to nodes (see ``ServeOptions.placement``)."""
-    from flotilla.cluster.kv.endpoint import default_kv_transport
-
-    defaults = ServeOptions()
-    if num_replicas is None:
-        num_replicas = 1 if config.enable_dp_attention else int(config.dp_size or 1)
-    router_class_path(router)
-    if disaggregation_mode not in ("null", "pd"):
-        raise ValueError(f"disaggregation_mode must be 'null' or 'pd' (got {disaggregation_mode!r})")
-    options = ServeOptions(
-        model=model,
-        served_model_name=served_model_name(model, served_model_name_given),
-        num_replicas=int(num_replicas),
-        router=router,
-        max_queued_requests=int(config.max_queued_requests or defaults.max_queued_requests),
-        max_body_bytes=int(max_body_bytes or defaults.max_body_bytes),
-        stream_batch_ms=float(defaults.stream_batch_ms if stream_batch_ms is None else stream_batch_ms),
-        api_key=config.api_key or None,
-        replica_num_cpus=float(replica_num_cpus if replica_num_cpus is not None else defaults.replica_num_cpus),
-        disaggregation_mode=disaggregation_mode,
-        prefill_replicas=int(prefill_replicas or defaults.prefill_replicas),
-        decode_replicas=int(decode_replicas or defaults.decode_replicas),
-        kv_transport=default_kv_transport() if kv_transport == "auto" else kv_transport,
-        kv_load_failure_policy=kv_load_failure_policy,
-        elastic_plan=elastic_plan,
-        elastic_autoscale=elastic_autoscale or ElasticAutoscaleOptions(),
-        placement={group: dict(resources) for group, resources in (placement or {}).items()},
-        max_prompts_per_request=int(defaults.max_prompts_per_request if max_prompts_per_request is None else max_prompts_per_request),
-        request_body_timeout_s=float(defaults.request_body_timeout_s if request_body_timeout_s is None else request_body_timeout_s),
-        max_header_bytes=int(defaults.max_header_bytes if max_header_bytes is None else max_header_bytes),
-        http_keep_alive_timeout_s=http_keep_alive_timeout_s,
-        http_request_timeout_s=http_request_timeout_s,
-    )  # fmt: skip
-    check_elastic_options(options)
-    check_client_limits(options)
-    return options
-
-
-def check_client_limits(options: ServeOptions) -> None:
-    """ValueError naming the option and value unless the limits on clients are usable:
-    ``max_prompts_per_request`` and ``max_header_bytes`` (at least 1024) positive integers,
-    ``request_body_timeout_s`` positive seconds, Serve's keep-alive a non-negative whole
-    number of seconds and its request timeout positive seconds (both may be None)."""
-
-    def whole(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    checks = (
-        ("max_prompts_per_request", whole(options.max_prompts_per_request) and options.max_prompts_per_request >= 1, "an integer >= 1"),
-        ("max_header_bytes", whole(options.max_header_bytes) and options.max_header_bytes >= 1024, "an integer >= 1024 (bytes)"),
-        ("request_body_timeout_s", options.request_body_timeout_s > 0, "a number of seconds > 0"),
-        ("http_keep_alive_timeout_s", options.http_keep_alive_timeout_s is None
-         or (whole(options.http_keep_alive_timeout_s) and options.http_keep_alive_timeout_s >= 0), "a whole number of seconds >= 0"),
-        ("http_request_timeout_s", options.http_request_timeout_s is None or options.http_request_timeout_s > 0,
-         "a number of seconds > 0"),
-    )  # fmt: skip
-    for name, ok, requirement in checks:
-        if not ok:
-            raise ValueError(f"{name} must be {requirement} (got {name}={getattr(options, name)!r})")
-
-
-def resolve_colocated(given: Mapping[str, Any], platform: Any = None) -> tuple[ResolvedConfig, str | None, Any]:
-    """Resolve a colocated deployment once: ``(config, the --model value, its elastic EP
-    plan or None)``. The platform is probed once (see :func:`resolve_for_serving`) and
-    every joining group of an elastic deployment is resolved for the same facts."""
-    from flotilla.serve.elastic_ep import resolve_elastic_plan
-
-    if platform is None:
-        from flotilla.cluster.platform import probe_for_workers
-
-        platform = probe_for_workers()
-    config, model = resolve_for_serving(given, platform)
-    return config, model, resolve_elastic_plan(given, config, platform)
-
-
-def resolve_for_serving(given: Mapping[str, Any], platform: Any = None) -> tuple[ResolvedConfig, str | None]:
-    """Resolve the server configuration once for serving.
-
-    Args:
-        given: the server fields the user set (``model_path`` is the ``--model`` value;
-            absent or None: the embedded SmolLM2).
-        platform: the PlatformFacts to resolve for (default: probed, see below).
-
-    Returns the config (resolved for the platform of the Ray cluster's worker nodes when
-    this process is connected to one, else this machine's) and the ``--model`` value.
-    """
-    from flotilla.cluster.models.sources import resolve_model_source
-    from flotilla.cluster.platform import probe_for_workers
-    from flotilla.resolution import ModelFacts, resolve
-
-    given = dict(given)
-    model = given.pop("model_path", None)
-    source = resolve_model_source(model, given.get("revision"))
-    args = ServerArgs.create(model_path=str(source.path), **given)
-    facts = platform if platform is not None else probe_for_workers()
-    return resolve(args, ModelFacts.from_hf_config(source.config_dict), facts), model
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
@@ -552,8 +399,6 @@ def _flag_argv(name: str, value: Any) -> list[str]:
                 raise ArgumentError(f"{name} expects true or false, got {value!r}")
             return [switch.flag] if (text in ("true", "1", "yes")) == bool(switch.const) else []
     if spec is None or not spec.cli:
-        from flotilla.resolution.args import closest_flag
-
         near = closest_flag(name, [n for n, s in FIELDS.items() if s.cli] + list(OPTION_ARGS))
         hint = f"; did you mean {near}?" if near else ""
         raise ArgumentError(f"unknown argument {name!r} (server fields use SGLang's names, e.g. tp_size){hint}")
@@ -641,44 +486,30 @@ def build(args: dict[str, Any]) -> Application:
     stray = [name for name in PD_OPTION_ARGS if name in option_args and not pd]
     if stray:
         raise ArgumentError(f"{', '.join(stray)} need disaggregation_mode: pd")
-    autoscale = elastic_autoscale_options(option_args)
     ensure_ray()
 
     def opt(name: str, kind):
         return kind(option_args[name]) if name in option_args else None
 
-    decode_config, plan = None, None
-    if pd:
-        from flotilla.serve.plan import check_pd_options, pd_server_fields
-
-        prefill_fields, decode_fields = pd_server_fields(given, opt("prefill_tp", int), opt("decode_tp", int))
-        config, model = resolve_for_serving(prefill_fields)
-        decode_config, _ = resolve_for_serving(decode_fields)
-    else:
-        config, model, plan = resolve_colocated(given)
-    options = serve_options(
-        decode_config or config,
-        model=model,
-        served_model_name_given=given.get("served_model_name"),
+    plan = plan_serving(
+        given,
+        pd=pd,
+        prefill_tp=opt("prefill_tp", int),
+        decode_tp=opt("decode_tp", int),
         router=str(option_args.get("router", "least-loaded")),
         num_replicas=opt("num_replicas", int),
         replica_num_cpus=opt("replica_num_cpus", float),
         stream_batch_ms=opt("stream_batch_ms", float),
         max_body_bytes=opt("max_body_bytes", int),
-        disaggregation_mode="pd" if pd else "null",
         prefill_replicas=opt("prefill_replicas", int),
         decode_replicas=opt("decode_replicas", int),
         kv_transport=str(option_args.get("kv_transport", "auto")),
         kv_load_failure_policy=str(option_args.get("kv_load_failure_policy", "recompute")),
-        elastic_plan=plan,
-        elastic_autoscale=autoscale,
+        elastic_autoscale=elastic_autoscale_options(option_args),
         placement=_placement_arg(option_args.get("placement")),
         max_prompts_per_request=opt("max_prompts_per_request", int),
         request_body_timeout_s=opt("request_body_timeout_s", float),
         max_header_bytes=opt("max_header_bytes", int),
     )
-    logger.info("serving %s (config %s)", options.served_model_name, config.digest[:16])
-    if decode_config is not None:
-        check_pd_options(config, decode_config, options)
-        return build_pd_app(config, decode_config, options)
-    return build_app(config, options)
+    logger.info("serving %s (config %s)", plan.options.served_model_name, plan.config.digest[:16])
+    return build_application(plan)

@@ -1,17 +1,13 @@
-"""Elastic EP on the serve side: the joiners' plan, resolved once, and the scaler that grows
-a running engine group.
+"""Elastic EP on the serve side: the scaler that grows a running engine group.
 
 The layout (``--elastic-ep-backend ray --max-ep-size M`` over ``--tp N --dp N --ep N
 --enable-dp-attention --enable-dp-lm-head``): one engine replica holds the whole group,
 ``tp == dp == ep == N``; growing to ``M`` adds ``M - N`` ranks, each a new DP rank.
 
-- :func:`resolve_elastic_plan` (driver, build time): resolves the configuration of every
-  joining group the deployment may ever need, one per ``(current, new)`` pair with
-  ``initial <= current < new <= max_ep_size``, with SGLang's joiner flags on top of the
-  user's: ``tp_size = dp_size = ep_size = new - current``, ``ep_join_mode="scale"``,
-  ``node_rank=1``, ``ep_join_rank_offset=current``, ``elastic_ep_initial_size`` the
-  primary's, and ``moe_dense_tp_size=1`` for a one-rank group. Nothing is resolved at
-  scale time: the :class:`ElasticEPPlan` travels to the replica in ``ServeOptions``.
+- :func:`flotilla.serve.plan.elastic_plan_for` (driver, build time) resolves the
+  configuration of every joining group the deployment may ever need into an
+  :class:`~flotilla.serve.types.ElasticEPPlan`; nothing is resolved at scale time: the plan
+  travels to the replica in ``ServeOptions``.
 - :class:`ElasticEPScaler` (engine replica): one scale at a time through
   ``AsyncEngine.grow_elastic_ep``; what the admin API answers is in its errors'
   ``status`` (400 bad size, 409 a scale is running, 500 the join failed, 503 the
@@ -23,13 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from flotilla.cluster.elastic import ElasticJoinError
-from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.resolution import ResolvedConfig
-from flotilla.serve.types import EngineUnavailableError
+from flotilla.serve.types import ElasticEPPlan, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -103,100 +97,6 @@ def not_elastic_message(what: str) -> str:
 
 
 # -- the plan ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ElasticEPPlan:
-    """Everything a replica needs to grow its group, resolved once by the driver.
-
-    Attributes:
-        initial_size: the EP size the deployment starts at (``--elastic-ep-initial-size``,
-            the primary's ``tp_size``).
-        max_ep_size: the largest EP size it may grow to (``--max-ep-size``).
-        scale_timeout_s: bound on one join, placement to commit (``--elastic-ep-scale-timeout``).
-        joiner_configs: the joining group's resolved config per ``(current, new)`` size pair.
-    """
-
-    initial_size: int
-    max_ep_size: int
-    scale_timeout_s: float
-    joiner_configs: dict[tuple[int, int], ResolvedConfig] = field(default_factory=dict)
-
-    def joiner_config(self, current: int, new: int) -> ResolvedConfig:
-        """The config of the group that grows the deployment from ``current`` to ``new``
-        ranks; ValueError naming both when the plan has none (outside
-        ``initial_size <= current < new <= max_ep_size``)."""
-        config = self.joiner_configs.get((current, new))
-        if config is None:
-            raise ValueError(
-                f"no joiner config to grow elastic EP from {current} to {new} ranks: the plan covers "
-                f"{self.initial_size} <= current < new <= max_ep_size={self.max_ep_size}"
-            )
-        return config
-
-
-def joiner_fields(given: Mapping[str, Any], current: int, new: int, initial: int) -> dict[str, Any]:
-    """The server fields of the group that grows ``current`` ranks to ``new``: the user's
-    fields with SGLang's joiner flags on top (see the module docstring)."""
-    k = new - current
-    fields = dict(given)
-    fields.update(
-        tp_size=k, dp_size=k, ep_size=k, ep_join_mode="scale", node_rank=1,
-        ep_join_rank_offset=current, elastic_ep_initial_size=initial,
-    )  # fmt: skip
-    if k == 1:
-        fields["moe_dense_tp_size"] = 1
-    return fields
-
-
-def resolve_elastic_plan(given_fields: Mapping[str, Any], config: ResolvedConfig, platform: Any = None) -> ElasticEPPlan | None:
-    """The joiners' plan of an elastic deployment, or None when ``config`` is not one
-    (see :func:`~flotilla.cluster.engine.dp_scheduler.can_grow_elastic_ep`).
-
-    Args:
-        given_fields: the server fields the user set (as for
-            :func:`flotilla.serve.app.resolve_for_serving`: ``model_path`` is the
-            ``--model`` value).
-        config: the primary's resolved config (from those fields).
-        platform: the PlatformFacts the primary was resolved for; None probes once (for
-            the Ray cluster's workers when connected), and every joiner uses that one.
-
-    Raises ValueError naming the flag: a joiner flag on the primary (``--ep-join-mode``,
-    ``--elastic-ep-join-rank-offset``, ``--node-rank``: flotilla starts the primary and
-    resolves its joiners itself), or a joining group that does not resolve (with the
-    resolver's reasons).
-    """
-    from flotilla.resolution import ResolutionError
-    from flotilla.serve.app import resolve_for_serving
-
-    if not can_grow_elastic_ep(config):
-        return None
-    for name, flag in (("ep_join_mode", "--ep-join-mode"), ("ep_join_rank_offset", "--elastic-ep-join-rank-offset"),
-                       ("node_rank", "--node-rank")):  # fmt: skip
-        if given_fields.get(name) not in (None, 0):
-            raise ValueError(
-                f"{flag} {given_fields[name]} describes a joining group; flotilla serve starts the primary "
-                "and resolves its joiners itself: drop it"
-            )
-    initial = int(config.elastic_ep_initial_size or config.tp_size)
-    max_ep = int(config.max_ep_size)
-    if platform is None:
-        from flotilla.cluster.platform import probe_for_workers
-
-        platform = probe_for_workers()
-    joiners: dict[tuple[int, int], ResolvedConfig] = {}
-    for current in range(initial, max_ep):
-        for new in range(current + 1, max_ep + 1):
-            try:
-                joiners[(current, new)] = resolve_for_serving(joiner_fields(given_fields, current, new, initial), platform)[0]
-            except ResolutionError as exc:
-                reasons = "; ".join(v.message for v in exc.violations)
-                raise ValueError(
-                    f"--max-ep-size {max_ep}: the group that grows elastic EP from {current} to {new} ranks "
-                    f"does not resolve: {reasons}"
-                ) from None
-    timeout = float(config.elastic_ep_scale_timeout)
-    return ElasticEPPlan(initial_size=initial, max_ep_size=max_ep, scale_timeout_s=timeout, joiner_configs=joiners)
 
 
 # -- the scaler ----------------------------------------------------------------------------

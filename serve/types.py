@@ -9,14 +9,13 @@ and the ingress turns those into OpenAI responses or SSE frames.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 from flotilla.cluster.engine.outputs import StepLogprobs
 from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.resolution import ResolvedConfig
 from flotilla.serve.ep_autoscale import AutoscalePolicyConfig
 
-if TYPE_CHECKING:
-    from flotilla.serve.elastic_ep import ElasticEPPlan
 
 
 @dataclass
@@ -146,6 +145,36 @@ class ReplicaLoad:
         return self.running + self.waiting
 
 
+@dataclass(frozen=True)
+class ElasticEPPlan:
+    """Everything a replica needs to grow its group, resolved once by the driver.
+
+    Attributes:
+        initial_size: the EP size the deployment starts at (``--elastic-ep-initial-size``,
+            the primary's ``tp_size``).
+        max_ep_size: the largest EP size it may grow to (``--max-ep-size``).
+        scale_timeout_s: bound on one join, placement to commit (``--elastic-ep-scale-timeout``).
+        joiner_configs: the joining group's resolved config per ``(current, new)`` size pair.
+    """
+
+    initial_size: int
+    max_ep_size: int
+    scale_timeout_s: float
+    joiner_configs: dict[tuple[int, int], ResolvedConfig] = field(default_factory=dict)
+
+    def joiner_config(self, current: int, new: int) -> ResolvedConfig:
+        """The config of the group that grows the deployment from ``current`` to ``new``
+        ranks; ValueError naming both when the plan has none (outside
+        ``initial_size <= current < new <= max_ep_size``)."""
+        config = self.joiner_configs.get((current, new))
+        if config is None:
+            raise ValueError(
+                f"no joiner config to grow elastic EP from {current} to {new} ranks: the plan covers "
+                f"{self.initial_size} <= current < new <= max_ep_size={self.max_ep_size}"
+            )
+        return config
+
+
 class EngineOverloadedError(RuntimeError):
     """The replica's queue is full; the ingress answers 429 with ``Retry-After``.
 
@@ -180,41 +209,9 @@ class ReplicaPin:
     replica_id: str
 
 
-@dataclass
-class PrefillTicket:
-    """A prompt computed by a prefill replica whose KV blocks wait, under a lease, for a
-    decode replica to read them (prefill/decode disaggregation, :mod:`flotilla.serve.pd`).
-
-    Attributes:
-        request_id: the ingress's request id.
-        prefill_request_id: the prefill engine's id for the held blocks (release them under it).
-        replica_id: the prefill replica's Serve id (the :class:`ReplicaPin` of the release).
-        peer_id: the prefill engine's KV peer name, unique per replica incarnation (the
-            decode side connects once per peer id and caches the connection).
-        peer_metadata: per prefill rank (rank order), the transport metadata of its KV
-            endpoint (``cluster.kv.endpoint.KVEndpoint.metadata``).
-        prompt_token_ids: the prompt.
-        first_token: the token the prefill sampled after the prompt.
-        block_ids: the prefill engine's blocks holding the prompt's KV, in position order.
-        finish_reason: the prefill completion's reason: ``"length"`` (max_tokens 1 reached
-            on the prefill side; decoding goes on) or ``"stop"`` (the first token ends the
-            completion: nothing to decode).
-        chunk: the prefill's own final chunk (the first token and its text, usage); the
-            answer when the request ends at its first token.
-        lease_s: how long the prefill side holds the blocks without a release.
-    """
-
-    request_id: str
-    prefill_request_id: str
-    replica_id: str
-    peer_id: str
-    peer_metadata: list[bytes]
-    prompt_token_ids: list[int]
-    first_token: int
-    block_ids: list[int]
-    finish_reason: str | None
-    chunk: GenerateChunk
-    lease_s: float
+# NOTE: a prefilled prompt has one type on both sides of the handoff, defined where the engine
+# imports it too (cluster/ never imports serve/); re-exported with the serving contract's types.
+from flotilla.cluster.engine.kv_contract import PrefillTicket  # noqa: E402,F401
 
 
 class EngineClient(Protocol):

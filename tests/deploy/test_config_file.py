@@ -16,7 +16,7 @@ from flotilla.deploy.config_file import (
     load_serve_config,
     split_config_flag,
 )
-from flotilla.deploy.serve_cmd import build_parser, parse_serve_args, resolve_serving, run_serve
+from flotilla.deploy.serve_cmd import build_parser, parse_serve_args, plan_for, run_serve
 from flotilla.resolution import ArgumentError
 from flotilla.resolution.platform import PRESETS
 from helpers.resolution_configs import LLAMA_128K
@@ -72,7 +72,9 @@ def test_args_and_http_options_become_flags_and_the_command_line_wins(tmp_path, 
     assert (given["tp_size"], given["port"], given["host"], opts.router) == (4, 9000, "127.0.0.1", "least-loaded")
     assert opts.num_replicas == 2  # NOTE: what the command line does not name stays the file's
 
-    config, _, options = resolve_serving(opts, given, PRESETS["cpu"])
+    plan = plan_for(opts, given, PRESETS["cpu"])
+
+    config, _, options = plan.config, plan.decode_config, plan.options
     assert (config.tp_size, config.port, config.max_running_requests) == (4, 9000, 64)
     assert (options.num_replicas, options.max_body_bytes) == (2, 4096)
     assert options.placement == {"engine": {"gpu_nodes": 0.001}}
@@ -101,7 +103,8 @@ def test_pd_and_autoscale_args_reach_their_options(tmp_path, model_dir):
     opts, given = parse_serve_args(["--config", str(pd)])
     assert opts.pd and (opts.prefill_replicas, opts.decode_tp, opts.kv_transport) == (2, 2, "ray")
     assert opts.kv_load_failure_policy == "fail" and "disaggregation_mode" not in given
-    prefill, decode, options = resolve_serving(opts, given, PRESETS["h200"])
+    plan = plan_for(opts, given, PRESETS["h200"])
+    prefill, decode, options = plan.config, plan.decode_config, plan.options
     assert (prefill.tp_size, decode.tp_size, options.prefill_replicas) == (1, 2, 2)
     assert options.placement == {"prefill": {"p": 0.001}, "decode": {"d": 0.001}}
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from flotilla.deploy.config_file import load_serve_config
-from flotilla.deploy.serve_cmd import parse_serve_args, resolve_serving
+from flotilla.deploy.serve_cmd import parse_serve_args, plan_for
 from flotilla.resolution.platform import PRESETS
 from flotilla.serve.types import check_placement
 from helpers.resolution_configs import LLAMA_128K
@@ -116,7 +116,8 @@ def resolve_example(name: str, tmp_path: Path):
         (model_dir / "config.json").write_text(json.dumps(hf_config))
         argv += ["--model", str(model_dir)]  # NOTE: the command line wins over the file's model id
     opts, given = parse_serve_args(argv)
-    config, decode, options = resolve_serving(opts, given, PRESETS[platform])
+    plan = plan_for(opts, given, PRESETS[platform])
+    config, decode, options = plan.config, plan.decode_config, plan.options
     check_placement(options.placement)
     return opts, config, decode, options
 

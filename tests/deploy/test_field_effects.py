@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flotilla.deploy.serve_cmd import deploy, parse_serve_args, ready_message, resolve_serving
+from flotilla.deploy.serve_cmd import deploy, parse_serve_args, plan_for, ready_message
 from flotilla.resolution.platform import PRESETS
 from helpers.tiny_models import save_tiny_llama
 
@@ -67,8 +67,8 @@ def free_port(host: str) -> int:
 
 def deployed(model_dir: str, *flags: str):
     opts, given = parse_serve_args(["--model-path", model_dir, *flags])
-    config, decode_config, options = resolve_serving(opts, given, PRESETS["cpu"])
-    return config, options, deploy(config, options, decode_config)
+    plan = plan_for(opts, given, PRESETS["cpu"])
+    return plan.config, plan.options, deploy(plan)
 
 
 def _answers(host: str, port: int) -> bool:

@@ -52,7 +52,7 @@ def _engine_exposition() -> str:
 @pytest.fixture(scope="module")
 def exposed() -> dict[str, set[str]]:
     """What ``GET /metrics`` serves: {family name: its sample names}, flotilla: ones only."""
-    app = create_app(_Engine(_engine_exposition()), None, ServeOptions(), SimpleNamespace(), echo_request_id=False)
+    app = create_app(_Engine(_engine_exposition()), None, ServeOptions(), SimpleNamespace(page_size=None), echo_request_id=False)
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200  # NOTE: gives the HTTP metrics a sample
         response = client.get("/metrics")

@@ -4,7 +4,7 @@ resolves (one per role). No Ray here: every case is decided before Ray is touche
 
 import pytest
 
-from flotilla.deploy.serve_cmd import parse_serve_args, resolve_serving, run_serve, split_pd_mode
+from flotilla.deploy.serve_cmd import parse_serve_args, plan_for, run_serve, split_pd_mode
 from flotilla.resolution import ArgumentError
 from flotilla.serve.plan import check_pd_options, pd_server_fields
 from flotilla.serve.types import ServeOptions
@@ -44,9 +44,9 @@ def test_bad_pd_flags_are_refused(argv, words):
 
 def test_stream_batch_ms_reaches_the_options_and_bad_values_are_refused(tmp_path):
     opts, given = parse_serve_args(["--stream-batch-ms", "20", "--max-total-tokens", "2048"])
-    assert resolve_serving(opts, given)[2].stream_batch_ms == 20.0
+    assert plan_for(opts, given).options.stream_batch_ms == 20.0
     opts, given = parse_serve_args(["--max-total-tokens", "2048"])
-    assert resolve_serving(opts, given)[2].stream_batch_ms == 50.0  # NOTE: Ray Serve LLM's default
+    assert plan_for(opts, given).options.stream_batch_ms == 50.0  # NOTE: Ray Serve LLM's default
     for value in ("-1", "1001", "nan"):
         with pytest.raises(ArgumentError, match=f"--stream-batch-ms must be in \\[0, 1000\\] ms, got {value}"):
             parse_serve_args(["--stream-batch-ms", value])
@@ -63,7 +63,8 @@ def test_each_pool_resolves_for_its_role():
     opts, given = parse_serve_args(
         ["--disaggregation-mode", "pd", "--prefill-tp", "3", "--decode-tp", "1", "--max-total-tokens", "2048"]
     )
-    prefill, decode, options = resolve_serving(opts, given)
+    plan = plan_for(opts, given)
+    prefill, decode, options = plan.config, plan.decode_config, plan.options
     assert (prefill.disaggregation_mode, prefill.tp_size) == ("prefill", 3)
     assert (decode.disaggregation_mode, decode.tp_size) == ("decode", 1)
     assert prefill.disaggregation_transfer_backend == decode.disaggregation_transfer_backend == "nixl"
@@ -82,17 +83,18 @@ def test_a_transfer_backend_flotilla_lacks_is_refused():
 
 def test_pools_that_disagree_on_the_kv_layout_are_refused():
     opts, given = parse_serve_args(["--disaggregation-mode", "pd", "--max-total-tokens", "2048"])
-    prefill, decode, options = resolve_serving(opts, given)
+    plan = plan_for(opts, given)
+    prefill, decode, options = plan.config, plan.decode_config, plan.options
     _, decode_16 = pd_server_fields({"max_total_tokens": 2048, "page_size": 32})
     from flotilla.cluster.platform import probe
-    from flotilla.serve.app import resolve_for_serving
+    from flotilla.serve.plan import resolve_pool
 
-    other, _ = resolve_for_serving(decode_16, probe())
+    other, _ = resolve_pool(decode_16, probe())
     with pytest.raises(ValueError, match="page_size"):
         check_pd_options(prefill, other, options)
     # NOTE: KV blocks move as bytes, so a float8 pool cannot feed a bf16 one (nor the reverse).
     _, decode_fp8 = pd_server_fields({"max_total_tokens": 2048, "kv_cache_dtype": "fp8_e4m3"})
-    fp8, _ = resolve_for_serving(decode_fp8, probe())
+    fp8, _ = resolve_pool(decode_fp8, probe())
     with pytest.raises(ValueError, match="must agree on kv_cache_dtype: prefill 'auto', decode 'fp8_e4m3'"):
         check_pd_options(prefill, fp8, options)
     import dataclasses
@@ -123,7 +125,8 @@ def moe_dir(tmp_path_factory):
 def test_the_issue_invocation_resolves_the_primary_and_its_joiner(moe_dir):
     opts, given = parse_serve_args(["--model", moe_dir, *ELASTIC_FLAGS])
     assert not opts.elastic_autoscale.enabled
-    config, decode, options = resolve_serving(opts, given)
+    plan = plan_for(opts, given)
+    config, decode, options = plan.config, plan.decode_config, plan.options
     plan = options.elastic_plan
     assert decode is None and options.num_replicas == 1 and (config.tp_size, config.max_ep_size) == (1, 2)
     assert (plan.initial_size, plan.max_ep_size, sorted(plan.joiner_configs)) == (1, 2, [(1, 2)])
@@ -145,7 +148,8 @@ def test_autoscale_flags_parse_and_pass_through(moe_dir):
         True, 1.0, None, 20.0, 40.0,
     )  # fmt: skip
     assert auto.waiting_per_rank_threshold == 2.0 and "elastic_ep_autoscale" not in given
-    _, _, options = resolve_serving(opts, given)
+    plan = plan_for(opts, given)
+    _, _, options = plan.config, plan.decode_config, plan.options
     assert options.elastic_autoscale == auto
 
 

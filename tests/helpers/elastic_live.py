@@ -32,14 +32,15 @@ def deploy_elastic(serve_http: str, path: Path, app: str, prefix: str, flags: di
 
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_app, resolve_colocated, serve_options
+    from flotilla.serve.app import build_application
+    from flotilla.serve.plan import plan_serving
 
     save_tiny_qwen3_moe(path)
     save_word_tokenizer(path, VOCAB)
     given = {"model_path": str(path), **ELASTIC, "max_total_tokens": 4096, "disable_radix_cache": True, **(flags or {})}
-    config, model, plan = resolve_colocated(given, probe())
-    opts = serve_options(config, model=model, elastic_plan=plan, **options)
-    serve.run(build_app(config, opts), name=app, route_prefix=prefix)
+    planned = plan_serving(given, platform=probe(), **options)
+    opts, plan = planned.options, planned.options.elastic_plan
+    serve.run(build_application(planned), name=app, route_prefix=prefix)
     url = f"{serve_http}{prefix}"
     wait_until_healthy(url, 120)
     prompts = random_prompts((5, 9, 13, 17, 21, 25), VOCAB, seed=11)

@@ -23,15 +23,8 @@ from flotilla.cluster.engine.limits import block_size_for
 
 from flotilla.resolution import ArgumentError
 from helpers.live_metrics import metrics, total, wait_for
-from flotilla.serve.app import (
-    build_app,
-    engine_deployment_options,
-    ingress_deployment_options,
-    parse_build_args,
-    resolve_for_serving,
-    serve_options,
-    served_model_name,
-)
+from flotilla.serve.app import build_app, engine_deployment_options, ingress_deployment_options, parse_build_args
+from flotilla.serve.plan import resolve_pool, serve_options, served_model_name
 
 APP = "flotilla-live-test"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,7 +39,7 @@ def app(serve_http):
     from flotilla.cluster.platform import probe
 
     # NOTE: one local node: probing here equals probing a worker, and skips a Ray task.
-    config, model = resolve_for_serving({"max_running_requests": 2, "max_queued_requests": 2}, probe())
+    config, model = resolve_pool({"max_running_requests": 2, "max_queued_requests": 2}, probe())
     options = serve_options(config, model=model, router="prefix-affinity", num_replicas=2, replica_num_cpus=0.5)
     serve.run(build_app(config, options), name=APP, route_prefix="/")
     wait_until_healthy(serve_http, 60)
@@ -248,7 +241,7 @@ def test_served_name_and_options_come_from_the_config(tmp_path):
     assert served_model_name("x", explicit="mine") == "mine"
     from flotilla.resolution import preset
 
-    config, model = resolve_for_serving({"max_queued_requests": 5, "api_key": "k", "max_running_requests": 3}, preset("cpu"))
+    config, model = resolve_pool({"max_queued_requests": 5, "api_key": "k", "max_running_requests": 3}, preset("cpu"))
     options = serve_options(config, model=model)
     assert (options.max_queued_requests, options.api_key, options.num_replicas, options.router) == (5, "k", 1, "least-loaded")
     engine = engine_deployment_options(config, options)
@@ -268,19 +261,20 @@ def test_client_limits_reach_serve_options_serve_http_options_and_build_args():
     from ray.serve.config import HTTPOptions
 
     from flotilla.deploy.config_file import arg_flags
-    from flotilla.deploy.serve_cmd import http_options, parse_serve_args, resolve_serving
+    from flotilla.deploy.serve_cmd import http_options, parse_serve_args, plan_for
     from flotilla.resolution import preset
-    from flotilla.serve.app import check_client_limits
+    from flotilla.serve.plan import check_client_limits
 
     flags = ["--max-prompts-per-request", "8", "--request-body-timeout-s", "2.5", "--max-header-bytes", "4096",
              "--http-keep-alive-timeout-s", "7", "--http-request-timeout-s", "600", "--max-total-tokens", "2048"]  # fmt: skip
     opts, given = parse_serve_args(flags)
-    config, _, options = resolve_serving(opts, given, preset("cpu"))
+    plan = plan_for(opts, given, preset("cpu"))
+    config, _, options = plan.config, plan.decode_config, plan.options
     assert (options.max_prompts_per_request, options.request_body_timeout_s, options.max_header_bytes) == (8, 2.5, 4096)
     served = http_options(config, options)
     assert served["keep_alive_timeout_s"] == 7 and served["request_timeout_s"] == 600.0
     assert HTTPOptions(**served).keep_alive_timeout_s == 7
-    defaults = resolve_serving(*parse_serve_args(["--max-total-tokens", "2048"]), preset("cpu"))[2]
+    defaults = plan_for(*parse_serve_args(["--max-total-tokens", "2048"]), preset("cpu")).options
     assert (defaults.max_prompts_per_request, defaults.request_body_timeout_s, defaults.max_header_bytes) == (64, 30.0, 32768)
     assert set(http_options(config, defaults)) == {"host", "port"}  # NOTE: Serve's own defaults stay
     for flag, value in (("--max-prompts-per-request", "0"), ("--request-body-timeout-s", "0"), ("--max-header-bytes", "100"),

@@ -13,7 +13,8 @@ import pytest
 
 from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.resolution import ArgumentError, ModelFacts, ResolutionError, ServerArgs, preset, resolve
-from flotilla.serve.elastic_ep import ElasticEPPlan, resolve_elastic_plan
+from flotilla.serve.plan import elastic_plan_for
+from flotilla.serve.types import ElasticEPPlan
 from flotilla.serve.ep_autoscale_driver import elastic_autoscale_options
 from flotilla.serve.types import ElasticAutoscaleOptions, ServeOptions
 
@@ -38,10 +39,10 @@ def cpu():
 
 
 def primary(moe_dir, cpu, **fields):
-    from flotilla.serve.app import resolve_for_serving
+    from flotilla.serve.plan import resolve_pool
 
     given = {"model_path": moe_dir, **ELASTIC, **fields}
-    return given, resolve_for_serving(given, cpu)[0]
+    return given, resolve_pool(given, cpu)[0]
 
 
 # -- the plan, resolved for real -------------------------------------------------------------
@@ -49,7 +50,7 @@ def primary(moe_dir, cpu, **fields):
 
 def test_every_join_of_the_range_is_resolved_as_the_joiner_flags_say(moe_dir, cpu):
     given, config = primary(moe_dir, cpu, max_ep_size=3)
-    plan = resolve_elastic_plan(given, config, cpu)
+    plan = elastic_plan_for(given, config, cpu)
     assert (plan.initial_size, plan.max_ep_size, plan.scale_timeout_s) == (1, 3, 600.0)
     assert sorted(plan.joiner_configs) == [(1, 2), (1, 3), (2, 3)]
     for (current, new), joiner in plan.joiner_configs.items():
@@ -72,43 +73,43 @@ def test_every_join_of_the_range_is_resolved_as_the_joiner_flags_say(moe_dir, cp
 
 
 def test_the_platform_is_probed_once_for_every_joiner(moe_dir, cpu, monkeypatch):
-    import flotilla.cluster.platform as platform
+    import flotilla.serve.plan as plan_module
 
     calls = []
-    monkeypatch.setattr(platform, "probe_for_workers", lambda: calls.append(1) or cpu)
+    monkeypatch.setattr(plan_module, "probe_for_workers", lambda: calls.append(1) or cpu)
     given, config = primary(moe_dir, cpu, max_ep_size=3)
-    assert len(resolve_elastic_plan(given, config).joiner_configs) == 3
+    assert len(elastic_plan_for(given, config).joiner_configs) == 3
     assert calls == [1]
 
 
 def test_a_deployment_that_cannot_grow_has_no_plan(moe_dir, cpu):
-    from flotilla.serve.app import resolve_for_serving
+    from flotilla.serve.plan import resolve_pool
 
-    plain = resolve_for_serving({"model_path": moe_dir}, cpu)[0]
-    assert not can_grow_elastic_ep(plain) and resolve_elastic_plan({"model_path": moe_dir}, plain, cpu) is None
+    plain = resolve_pool({"model_path": moe_dir}, cpu)[0]
+    assert not can_grow_elastic_ep(plain) and elastic_plan_for({"model_path": moe_dir}, plain, cpu) is None
     given, fixed = primary(moe_dir, cpu, max_ep_size=1)  # NOTE: max == tp: nothing to grow into
-    assert not can_grow_elastic_ep(fixed) and resolve_elastic_plan(given, fixed, cpu) is None
+    assert not can_grow_elastic_ep(fixed) and elastic_plan_for(given, fixed, cpu) is None
 
 
 def test_a_joiner_flag_on_the_primary_is_refused_by_name(moe_dir, cpu):
     given, config = primary(moe_dir, cpu, max_ep_size=2)
     with pytest.raises(ValueError, match="--node-rank 1 describes a joining group"):
-        resolve_elastic_plan({**given, "node_rank": 1}, config, cpu)
+        elastic_plan_for({**given, "node_rank": 1}, config, cpu)
 
 
 def test_a_joining_group_that_does_not_resolve_names_the_flag_and_the_reason(moe_dir, cpu, monkeypatch):
-    import flotilla.serve.elastic_ep as elastic_ep
+    import flotilla.serve.plan as plan_module
 
-    real = elastic_ep.joiner_fields
+    real = plan_module.joiner_fields
 
     def broken(given, current, new, initial):
         fields = real(given, current, new, initial)
         return {**fields, "dp_size": fields["tp_size"] + 1} if new == 3 else fields  # NOTE: dp != tp
 
-    monkeypatch.setattr(elastic_ep, "joiner_fields", broken)
+    monkeypatch.setattr(plan_module, "joiner_fields", broken)
     given, config = primary(moe_dir, cpu, max_ep_size=3)
     with pytest.raises(ValueError) as err:
-        resolve_elastic_plan(given, config, cpu)
+        elastic_plan_for(given, config, cpu)
     message = str(err.value)
     assert "--max-ep-size 3" in message and "from 1 to 3 ranks" in message and "dp_size" in message, message
     assert not isinstance(err.value, ResolutionError)
@@ -121,10 +122,11 @@ def test_the_plan_names_the_range_it_covers():
 
 
 def test_serving_options_refuse_what_an_elastic_deployment_cannot_do(moe_dir, cpu):
-    from flotilla.serve.app import build_app, engine_capacity, serve_options
+    from flotilla.serve.app import build_app, engine_capacity
+    from flotilla.serve.plan import serve_options
 
     given, config = primary(moe_dir, cpu, max_ep_size=2, max_running_requests=8)
-    plan = resolve_elastic_plan(given, config, cpu)
+    plan = elastic_plan_for(given, config, cpu)
     options = serve_options(config, model=moe_dir, elastic_plan=plan)
     assert options.num_replicas == 1 and options.elastic_plan is plan
     # Serve's bound leaves room for the grown group (a joined DP rank runs 8 more).

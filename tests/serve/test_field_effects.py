@@ -2,7 +2,7 @@
 application's deployments, the PD decode pool, the elastic EP scale).
 
 Each test resolves the field through the same path ``flotilla serve`` takes
-(:func:`~flotilla.serve.app.resolve_for_serving` and :func:`~flotilla.serve.app.serve_options`)
+(:func:`~flotilla.serve.plan.resolve_pool` and :func:`~flotilla.serve.plan.serve_options`)
 and drives what it builds: the OpenAI ingress over httpx's ASGI transport against an
 in-process engine, an :class:`~flotilla.serve.engine_replica.EngineReplica` built without
 Serve, or the engine pool's deployment options. The last test grows an elastic EP group on
@@ -28,7 +28,8 @@ from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.cluster.models.tokenizer import load_tokenizer
 from flotilla.resolution import preset
-from flotilla.serve.app import engine_deployment_options, resolve_for_serving, serve_options
+from flotilla.serve.app import engine_deployment_options
+from flotilla.serve.plan import resolve_pool, serve_options
 from flotilla.serve.async_engine import AsyncEngine
 from flotilla.serve.engine_replica import EngineReplica
 from flotilla.serve.ingress import create_app
@@ -57,7 +58,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def resolved(model_dir: str, **fields):
-    return resolve_for_serving({"model_path": model_dir, "max_total_tokens": 1024, **fields}, CPU)
+    return resolve_pool({"model_path": model_dir, "max_total_tokens": 1024, **fields}, CPU)
 
 
 @pytest.fixture
@@ -220,7 +221,7 @@ def test_disaggregation_decode_enable_radix_cache_keeps_the_decode_pools_prefix_
     cached = {}
     for given in ({}, {"disaggregation_decode_enable_radix_cache": False}):
         _, decode_fields = pd_server_fields({"model_path": model_dir, "max_total_tokens": 1024, **given})
-        config, model = resolve_for_serving(decode_fields, CPU)
+        config, model = resolve_pool(decode_fields, CPU)
         assert config.disaggregation_mode == "decode"
         engine = LLMEngine(config, resolve_model_source(model))
         outs = []
@@ -242,16 +243,16 @@ def test_elastic_ep_scale_timeout_bounds_a_scale_whose_joiners_never_start(ray_c
     """An elastic EP replica (on the session's Ray) whose joiners need a resource no node has:
     a scale to EP 2 waits ``--elastic-ep-scale-timeout`` 3 s for their placement (the default
     600 s would hold it that long), then fails, and the replica serves on at EP 1."""
-    from flotilla.serve.app import resolve_colocated
+    from flotilla.serve.plan import plan_serving
     from flotilla.serve.elastic_ep import ScaleFailedError
     from helpers.elastic_live import ELASTIC
     from helpers.tiny_moe import save_tiny_qwen3_moe
 
     save_tiny_qwen3_moe(tmp_path)
     given = {"model_path": str(tmp_path), **ELASTIC, "max_total_tokens": 1024, "elastic_ep_scale_timeout": 3}
-    config, model, plan = resolve_colocated(given, CPU)
-    assert plan.scale_timeout_s == 3.0
-    options = serve_options(config, model=model, elastic_plan=plan, placement={"joiners": {"no-such-node": 1}})
+    planned = plan_serving(given, platform=CPU, placement={"joiners": {"no-such-node": 1}})
+    config, options = planned.config, planned.options
+    assert options.elastic_plan.scale_timeout_s == 3.0
     replica = EngineReplica(config, options, replica_id="elastic")
     try:
 

@@ -615,12 +615,13 @@ def live(serve_http, tmp_path_factory):
 
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_app, resolve_for_serving, serve_options
+    from flotilla.serve.app import build_app
+    from flotilla.serve.plan import resolve_pool, serve_options
     from helpers.tiny_models import save_tiny_llama
 
     path = tmp_path_factory.mktemp("tiny-llama-hostile")
     save_tiny_llama(path, vocab_size=256)
-    config, model = resolve_for_serving({"model_path": str(path), "max_total_tokens": 1024}, probe())
+    config, model = resolve_pool({"model_path": str(path), "max_total_tokens": 1024}, probe())
     options = serve_options(
         config, model=model, served_model_name_given=MODEL, max_body_bytes=BODY_LIMIT, request_body_timeout_s=LIVE_BODY_TIMEOUT_S
     )

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from flotilla.serve.elastic_ep import ElasticEPPlan
+from flotilla.serve.types import ElasticEPPlan
 from flotilla.serve.ingress import ADMIN_ROUTES, create_app
 from flotilla.serve.types import CompletionChunk, GenerateChunk, ServeOptions
 

@@ -13,7 +13,8 @@ import random
 import pytest
 
 from flotilla.deploy.loadgen import http_load
-from flotilla.serve.app import build_app, resolve_for_serving, serve_options
+from flotilla.serve.app import build_app
+from flotilla.serve.plan import resolve_pool, serve_options
 
 from helpers.live_metrics import metrics, total, wait_for
 
@@ -29,7 +30,7 @@ def app_url(serve_http):
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
 
-    config, model = resolve_for_serving({"max_total_tokens": 4096}, probe())
+    config, model = resolve_pool({"max_total_tokens": 4096}, probe())
     options = serve_options(config, model=model, num_replicas=1)
     serve.run(build_app(config, options), name=APP, route_prefix="/")
     wait_until_healthy(serve_http, 60)

@@ -56,14 +56,15 @@ def _deploy(serve_http: str, tiny, app: str, prefix: str, prefill_tp: int, decod
 
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_pd_app, resolve_for_serving, serve_options
+    from flotilla.serve.app import build_pd_app
+    from flotilla.serve.plan import resolve_pool, serve_options
     from flotilla.serve.plan import pd_server_fields
 
     platform = probe()
     given = {"model_path": tiny.path, "max_total_tokens": 1024}
     prefill_fields, decode_fields = pd_server_fields(given, prefill_tp, decode_tp)
-    prefill, model = resolve_for_serving(prefill_fields, platform)
-    decode, _ = resolve_for_serving(decode_fields, platform)
+    prefill, model = resolve_pool(prefill_fields, platform)
+    decode, _ = resolve_pool(decode_fields, platform)
     options = serve_options(
         decode, model=model, disaggregation_mode="pd", kv_transport=transport, kv_load_failure_policy=policy
     )

@@ -32,13 +32,14 @@ def pd(serve_http):
 
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_pd_app, resolve_for_serving, serve_options
+    from flotilla.serve.app import build_pd_app
+    from flotilla.serve.plan import resolve_pool, serve_options
     from flotilla.serve.plan import pd_server_fields
 
     platform = probe()
     prefill_fields, decode_fields = pd_server_fields({"max_total_tokens": POOL_TOKENS})
-    prefill, model = resolve_for_serving(prefill_fields, platform)
-    decode, _ = resolve_for_serving(decode_fields, platform)
+    prefill, model = resolve_pool(prefill_fields, platform)
+    decode, _ = resolve_pool(decode_fields, platform)
     options = serve_options(decode, model=model, disaggregation_mode="pd", kv_transport="nixl")
     serve.run(build_pd_app(prefill, decode, options), name=APP, route_prefix=PREFIX)
     url = f"{serve_http}{PREFIX}"

@@ -54,15 +54,16 @@ def apps(serve_http):
 
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_app, build_pd_app, resolve_for_serving, serve_options
+    from flotilla.serve.app import build_app, build_pd_app
+    from flotilla.serve.plan import resolve_pool, serve_options
     from flotilla.serve.plan import pd_server_fields
 
     platform = probe()  # NOTE: one local node: probing here equals probing a worker
     given = {"max_total_tokens": 4096}
-    colocated, model = resolve_for_serving(given, platform)
+    colocated, model = resolve_pool(given, platform)
     prefill_fields, decode_fields = pd_server_fields(given)
-    prefill, _ = resolve_for_serving(prefill_fields, platform)
-    decode, _ = resolve_for_serving(decode_fields, platform)
+    prefill, _ = resolve_pool(prefill_fields, platform)
+    decode, _ = resolve_pool(decode_fields, platform)
     # NOTE: prefill on the session's first simulated node, decode on the second: KV crosses nodes.
     placement = {"prefill": {NODE_A: 1}, "decode": {NODE_B: 1}}
     pd_options = serve_options(decode, model=model, disaggregation_mode="pd", kv_transport="nixl", placement=placement)

@@ -6,7 +6,8 @@ tests/cluster/engine/test_elastic_join.py lands elastic EP joiners on the second
 import pytest
 
 from flotilla.resolution import ArgumentError
-from flotilla.serve.app import _placement_arg, engine_deployment_options, resolve_for_serving, serve_options
+from flotilla.serve.app import _placement_arg, engine_deployment_options
+from flotilla.serve.plan import resolve_pool, serve_options
 from flotilla.serve.types import ServeOptions
 
 
@@ -36,7 +37,7 @@ def test_a_bad_placement_names_the_key_and_value(placement, words):
 
 
 def test_each_pool_s_replica_actors_ask_for_their_group_s_resources():
-    config, model = resolve_for_serving({"max_total_tokens": 1024})
+    config, model = resolve_pool({"max_total_tokens": 1024})
     options = serve_options(config, model=model, placement={"engine": {"engine_nodes": 0.5}})
     actor = engine_deployment_options(config, options)["ray_actor_options"]
     assert actor["resources"] == {"engine_nodes": 0.5}

@@ -32,12 +32,13 @@ def app(serve_http, tmp_path_factory):
 
     from flotilla.cluster.platform import probe
     from flotilla.deploy.serve_cmd import wait_until_healthy
-    from flotilla.serve.app import build_app, resolve_for_serving, serve_options
+    from flotilla.serve.app import build_app
+    from flotilla.serve.plan import resolve_pool, serve_options
 
     path = tmp_path_factory.mktemp("tiny-llama-refused")
     save_tiny_llama(path, vocab_size=VOCAB)
     given = {"model_path": str(path), "max_total_tokens": 2048, "max_queued_requests": QUEUE, "max_running_requests": QUEUE}
-    config, model = resolve_for_serving(given, probe())
+    config, model = resolve_pool(given, probe())
     options = serve_options(config, model=model, num_replicas=1)
     serve.run(build_app(config, options), name=APP, route_prefix=PREFIX)
     url = f"{serve_http}{PREFIX}"
