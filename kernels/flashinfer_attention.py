@@ -10,7 +10,7 @@ reused by every layer:
   step's leading one-token sequences (the running decodes, which the scheduler puts first)
   run on the paged decode wrapper instead (kind ``"mixed"``): the prefill kernels give each
   sequence whole 128-row query tiles, which made a decode among prefills cost as much as a
-  128-token prefill over its context (``benchmarks/prefill_attention_probe.py``);
+  128-token prefill over its context (the prefill attention probe, removed in 004bdbd);
 - a pure decode step runs the paged decode wrapper; with ``graph_batch_size`` it runs that
   size's CUDA-graph decode wrapper, whose index buffers are fixed (``plan`` rewrites them,
   OUTSIDE capture/replay, before each replay);

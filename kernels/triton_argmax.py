@@ -2,7 +2,7 @@
 
 Why: outside the decode CUDA graph, ``torch.argmax`` over ``[B, V]`` float32 logits runs as a
 memset plus a reduce kernel (Qwen3-30B-A3B batch 1 on the H200, V = 151936: 7.9 us of reduce,
-each launch with an idle gap before it; ``benchmarks/step_timeline.py``). :func:`greedy_argmax`
+each launch with an idle gap before it; ``benchmarks/dev/step_timeline.py``). :func:`greedy_argmax`
 does the same in one launch and no memset; the sampler's greedy rows use it for CUDA float32
 logits of at most :data:`MAX_ROWS` rows while :data:`ENABLED`
 (:mod:`flotilla.cluster.engine.sampler`).
@@ -64,7 +64,7 @@ small decode batches; larger batches keep ``torch.argmax``)."""
 # only add atomics on the row counter and keys for the last program to read; far fewer leave
 # SMs idle and make each program's loads longer. Small V gets fewer programs (V = 32000,
 # B = 1: 32); ITERS stops at MAX_ITERS, so large B * V gets more (B = 8, V = 262144: 256).
-# Measured on an H200 (benchmarks/argmax_probe.py, V = 151936, one call inside a CUDA graph):
+# Measured on an H200 (the argmax probe, removed in 004bdbd, V = 151936, one call inside a CUDA graph):
 # 2.7 / 3.1 / 3.6 / 5.1 us at B = 1 / 2 / 4 / 8, against torch.argmax's 8.3-10.3 us.
 BLOCK = 1024
 TARGET_PROGRAMS = 192

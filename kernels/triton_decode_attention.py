@@ -4,7 +4,7 @@ paged cache, each program serving one KV head's whole query group.
 Why: at batch 1 flashinfer's decode (its tensor-core prefill kernel applied to one query row,
 plus a merge kernel for the split-KV partials) takes ~8.3 + 1.7 us per layer on an H200 for a
 640-token context whose K/V are 2.6 MB (0.6 us of reading): 0.32 ms of the Llama-3.1-8B
-batch-1 decode step, more on the 48 layers of Qwen3-30B-A3B (``benchmarks/decode_profile.py``).
+batch-1 decode step, more on the 48 layers of Qwen3-30B-A3B (``benchmarks/dev/decode_profile.py``).
 The flashinfer planner (:mod:`flotilla.kernels.flashinfer_attention`) hands decode steps of at
 most :data:`MAX_BATCH` sequences to :class:`TritonDecode` instead.
 
@@ -31,7 +31,7 @@ off each layer's critical path. A merging program reads ``rows * G * (D + 2) * 4
 partials; Qwen3-30B-A3B's layout at batch 1 (G = 8, D = 128, 4.2 KB a row): 42 KB at 640
 tokens (10 splits, one level); at 8192 tokens (128 splits) 67 KB for each group, then 33 KB for
 the 8 groups, where one merger read 532 KB (21.2 us against the merge launch's 11.7 on the
-H200). The GPU tests and ``benchmarks/attention_probe.py`` compare it with the merge launch
+H200). The GPU tests (and the attention probe, removed in 004bdbd) compare it with the merge launch
 (and, in the probe, with a single level).
 
 ``S`` is fixed per batch size (the grid is baked into a CUDA graph; contexts change between
@@ -62,11 +62,11 @@ import triton.language as tl
 from flotilla.kernels.triton_pdl import launch_options, start_dependent
 
 # Decode steps of at most this many sequences run here; larger ones keep flashinfer's
-# tensor-core kernel (batch 8 was still even or better here in benchmarks/attention_probe.py
+# tensor-core kernel (batch 8 was still even or better here in the attention probe, removed in 004bdbd
 # on the H200; larger batches were not measured with these settings).
 MAX_BATCH = 8
 # Turned off process-wide for side-by-side measurements (FLOTILLA_TRITON_DECODE=0, or
-# benchmarks/decode_profile.py --without triton_decode).
+# benchmarks/dev/decode_profile.py --without triton_decode).
 ENABLED = os.environ.get("FLOTILLA_TRITON_DECODE", "1") != "0"
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # Split programs one launch holds (about four per SM of an H100/H200): long contexts need
@@ -386,7 +386,7 @@ class TritonDecode:
         target_programs, block_n, min_chunk, num_warps, num_stages: launch tuning (split
             programs one launch has, tokens per tile, the fewest tokens a split takes, the split
             kernel's warps and pipeline stages);
-            the defaults are the measured best on the H200 (benchmarks/attention_probe.py).
+            the defaults are the measured best on the H200 (the attention probe, removed in 004bdbd).
         fold_merge: whether the split kernel merges the partials itself (no merge launch);
             None: :data:`FOLD_MERGE`.
         merge_group: splits per level-1 group of the folded merge (a power of two; default

@@ -7,7 +7,7 @@ At decode batch sizes a linear layer is a pure weight read: every weight byte is
 ``BLOCK_N`` output columns and walks K in ``BLOCK_K`` chunks, multiplying the weight tile
 with every row of ``x`` into a float32 accumulator that is reduced once at the end.
 
-Measured on an H200 against cuBLAS (``benchmarks/gemv_probe.py``, Llama-3.1-8B shapes,
+Measured on an H200 against cuBLAS (the gemv probe (removed in 004bdbd; in git history), Llama-3.1-8B shapes,
 bf16, one row, CUDA-graph replays, weights rotated past the L2 cache): q/k/v 14.9 vs
 15.5 us, o 11.4 vs 13.5 us, down 29.7 vs 31.3 us (cuBLAS runs split-K plus a reduce kernel
 on these), gate/up 57.2 vs 55.9 us; at 2 and 4 rows cuBLAS wins. So the ``triton``
@@ -19,7 +19,7 @@ On SM90+ every kernel here is launched as a programmatic dependent (:mod:`.trito
 first weight tile, lets the next kernel launch, then waits for the kernel before it (whose
 output is its input). Back-to-back projections then overlap one's drain with the next one's
 start: one Llama-3.1-8B layer's four projections took 111.3 us with it and 116.5 us without
-(``benchmarks/fused_probe.py``), the batch-1 decode graph 4.20 ms and 4.38 ms.
+(the fused probe, removed in 004bdbd), the batch-1 decode graph 4.20 ms and 4.38 ms.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from flotilla.kernels.triton_pdl import launch_options
 MAX_ROWS = 4  # the largest M this kernel is meant for; larger batches use cuBLAS
 MIN_PROGRAMS = 128  # programs a narrow output's GEMV aims for (see default_config)
 # One-row launch configurations, by weight shape (N, K), where the H200 sweep's best beats the
-# default rule by more than its noise (benchmarks/fused_probe.py --shapes qwen3-30b-a3b, in
+# default rule by more than its noise (the fused probe's --shapes qwen3-30b-a3b run (the probe was removed in 004bdbd), in
 # us per call, default -> tuned). Empty them to fall back to the rules (an A/B).
 TUNED_ONE_ROW: dict[tuple[int, int], dict[str, int]] = {
     (2048, 4096): {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 4},  # Qwen3-30B-A3B o: 7.1 -> 5.6
@@ -188,7 +188,7 @@ def default_config(n: int, k: int, m: int) -> dict[str, int]:
 def norm_config(n: int, k: int) -> dict[str, int]:
     """The launch configuration :func:`rms_norm_gemv` uses when none is given: within a
     microsecond of the best of the H200 sweep on both Llama-3.1-8B shapes it runs
-    (``benchmarks/fused_probe.py``: q/k/v 15.9 us, gate/up 59.1 us, one row); a shape in
+    (the fused probe, removed in 004bdbd: q/k/v 15.9 us, gate/up 59.1 us, one row); a shape in
     :data:`TUNED_NORM` takes the configuration measured there."""
     if (n, k) in TUNED_NORM:
         return dict(TUNED_NORM[(n, k)])

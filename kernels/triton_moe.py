@@ -78,7 +78,7 @@ class MoEConfig:
 
 # Keyed by the largest expected rows per active expert each entry serves (ascending).
 # NOTE: decode (1-16 rows per expert) is bound by reading each active expert's weights once:
-# many narrow programs keep every SM streaming. Tune with benchmarks/moe_tile_probe.py on the GPU.
+# many narrow programs keep every SM streaming. Tuned with the MoE tile probe on the GPU (removed in 004bdbd; in git history).
 # Measured on H200 at the Qwen3-30B-A3B shape (H 2048, I 768, 128 experts, top-8, CUDA graph):
 # batch 1 ~35 us/call (75.5 MB of weights, ~2.6 TB/s in the two GEMM kernels), batch 256
 # ~331 us/call (1.2 GB, ~3.6 TB/s). Tiles must divide 128 for the FP8 path (scale blocks).
@@ -92,7 +92,7 @@ CONFIGS: list[tuple[int, MoEConfig]] = [
 
 # One token (batch-1 decode): every expert block holds a single real row, so the kernels are
 # pure weight streams; long K tiles with fewer pipeline stages keep more bytes in flight per
-# program. H200, Qwen3-30B-A3B shape, benchmarks/moe_tile_probe.py (24 chained calls in a CUDA
+# program. H200, Qwen3-30B-A3B shape, the MoE tile probe, removed in 004bdbd (24 chained calls in a CUDA
 # graph, 8 weight sets, medians of 10 rounds): 31.2 us/call against 41.0 for CONFIGS[0]
 # (floor 17.6 us at the copy bandwidth). BLOCK_K 256 does not divide the FP8 scale blocks,
 # so block-FP8 experts keep the table.

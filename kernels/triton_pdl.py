@@ -8,7 +8,7 @@ decode GEMVs read their first weight tile. Each of our kernels also calls
 ``griddepcontrol.launch_dependents`` early, so the kernel after it may start in turn. Inside a
 CUDA graph the launches become programmatic edges; at batch 1 they overlap one kernel's drain
 with the next one's start (Llama-3.1-8B decode graph on the H200: 4.20 ms with, 4.38 ms
-without, ``benchmarks/decode_profile.py --without pdl``).
+without, ``benchmarks/dev/decode_profile.py --without pdl``).
 
 A kernel takes a ``PDL: tl.constexpr`` argument and the host passes ``**launch_options(device)``
 (the constexpr plus Triton's ``launch_pdl``); :data:`ENABLED` turns it off process-wide for a
