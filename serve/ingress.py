@@ -434,7 +434,16 @@ class _Ingress:
         return JSONResponse({"is_scaling_elastic_ep": scaling})
 
     async def health(self) -> Response:
+        """``GET``/``HEAD /health``: 200 while the endpoint serves, 503 when it cannot. An
+        engine client that reports pools (PD: :meth:`~flotilla.serve.pd.PDEngineClient.health`)
+        gets its report as the body: ``{"status": "ok" | "degraded" | "down", "pools": ...}``,
+        200 for ok or degraded (the decode pool serves every request whole), 503 for down."""
+        report = getattr(self.engine, "health", None)
         try:
+            if report is not None:
+                body = await report()
+                status = 503 if body.get("status") == "down" else 200
+                return JSONResponse(body, status_code=status)
             healthy = await self.engine.is_healthy()
         except Exception as exc:  # noqa: BLE001 - an unreachable engine is an unhealthy one
             logger.warning("health check failed: %s", exc)
