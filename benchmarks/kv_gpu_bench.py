@@ -9,7 +9,7 @@ Llama-3.1-8B-shaped config with ``--load-format dummy`` weights (the same determ
 tensors on both). Each engine's rank has a NIXL KV endpoint (UCX; VRAM registered once);
 the decode engine connects to the prefill's metadata (passed through Ray) and, per prompt,
 READs the prompt's KV blocks straight from GPU 0's memory into its own blocks, then decodes.
-Per prompt the script times the read alone (``runner.kv_read``) and reports its bytes and
+Per prompt the script times the read alone (``runner.kv.read``) and reports its bytes and
 GB/s; the greedy tokens of the handoff are compared with the decode engine computing the same
 prompt itself. Raw NIXL (two agents, one buffer each, one READ of the same size, no flotilla
 code) is measured in the same run for comparison.
@@ -55,15 +55,15 @@ def _host_class():
             self.llm = LLM(model_dir, **flags)
             self.engine = self.llm.engine
             self.runner = self.engine.runner
-            self.runner.kv_attach(KVEndpointFactory("nixl", name))
+            self.runner.kv.attach(KVEndpointFactory("nixl", name))
             self.name = name
             self.device = device
 
         def metadata(self) -> list[bytes]:
-            return self.runner.kv_metadata()
+            return self.runner.kv.metadata()
 
         def connect(self, peer: str, metadata: list[bytes]) -> None:
-            self.runner.kv_connect(peer, metadata)
+            self.runner.kv.connect(peer, metadata)
 
         def prefill(self, prompt: list[int]):
             from flotilla.cluster.engine.kv_handoff import prefill
@@ -71,14 +71,15 @@ def _host_class():
 
             return prefill(self.engine, prompt, SamplingParams(temperature=0, ignore_eos=True))
 
-        def release(self, result) -> bool:
+        def release(self, ticket) -> bool:
             from flotilla.cluster.engine.kv_handoff import release_prefill
 
-            return release_prefill(self.engine, result)
+            return release_prefill(self.engine, ticket)
 
-        def decode_prefilled(self, result, peer: str, output_len: int) -> dict:
-            """Read the prompt's blocks from ``peer`` (timed), then decode; policy ``fail``
-            so a broken read cannot hide behind a recompute."""
+        def decode_prefilled(self, ticket, peer: str, output_len: int) -> dict:
+            """Read the prompt's blocks from ``peer`` (timed alone: the read waited for, on this
+            actor's thread), then decode; policy ``fail`` so a broken read cannot hide behind a
+            recompute."""
             import torch
 
             from flotilla.cluster.engine.kv_handoff import decode_prefilled
@@ -90,13 +91,13 @@ def _host_class():
                 if self.device == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                moved = self.runner.kv_read(peer, src, dst, 60.0)
+                moved = self.runner.kv.read(peer, src, dst, 60.0)
                 if self.device == "cuda":
                     torch.cuda.synchronize()
                 reads.append((moved, time.perf_counter() - start))
 
             params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-            request_id = decode_prefilled(self.engine, result, copy_blocks, params, policy="fail")
+            request_id = decode_prefilled(self.engine, ticket, copy_blocks, params, policy="fail")
             while not self.engine.get_output(request_id).finished:
                 self.engine.step()
             tokens = list(self.engine.pop_output(request_id).outputs[0].token_ids)
@@ -159,11 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         results["load_s"] = round(time.perf_counter() - start, 1)
         reads, same, agree, total = [], 0, 0, 0
         for i, prompt in enumerate(prompts):
-            result = ray.get(prefill_host.prefill.remote(prompt), timeout=300)
+            ticket = ray.get(prefill_host.prefill.remote(prompt), timeout=300)
             try:
-                out = ray.get(decode_host.decode_prefilled.remote(result, "prefill", opts.output_len), timeout=300)
+                out = ray.get(decode_host.decode_prefilled.remote(ticket, "prefill", opts.output_len), timeout=300)
             finally:
-                ray.get(prefill_host.release.remote(result), timeout=60)
+                ray.get(prefill_host.release.remote(ticket), timeout=60)
             colocated = ray.get(decode_host.generate.remote(prompt, opts.output_len), timeout=300)
             same += out["tokens"] == colocated
             agree += sum(a == b for a, b in zip(out["tokens"], colocated))

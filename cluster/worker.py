@@ -180,7 +180,8 @@ class Worker:
             )
         self.topology = topology
         self.layout = self._layout(topology, self._init_distributed(topology, rendezvous))
-        self.runner = build_runner(self.config, source, self.layout)
+        self.runner = shard_runner(self.config, source, self.layout)
+        self.runner.kv.rank = self.rank  # NOTE: the rank's KV errors and agent name its group rank
         return self._info()
 
     def load_joiner(self, source: ModelSource, topology: Topology, placements: dict) -> WorkerInfo:
@@ -198,6 +199,7 @@ class Worker:
         self.topology = topology
         self.layout = self._layout(topology, {})
         self.runner = ModelRunner(self.config, source, parallel=self.layout, expert_placements=placements)
+        self.runner.kv.rank = self.rank
         return self._info()
 
     def expert_placements(self) -> dict:
@@ -378,47 +380,21 @@ class Worker:
         with torch.inference_mode():
             return self.runner.step_logits(schedule).float().cpu()
 
-    # -- KV transfer (prefill/decode disaggregation): this rank's endpoint ---------------
+    # -- KV transfer (prefill/decode disaggregation): this rank's port ------------------
     # NOTE: per-rank calls, no collectives: a rank's failure leaves its peers in step.
 
-    def _kv_runner(self) -> ModelRunner:
+    def kv(self, method: str, *args: Any) -> Any:
+        """Call this rank's KV port (``runner.kv``): ``method`` is one of :data:`KV_METHODS`
+        (the group's fan-out, and the Ray fallback's source side: ``kv("export", block_ids,
+        heads)``). Reads start under an id and return at once (``submit_read``); the group
+        polls them (``poll_reads``), so no call waits for a transfer."""
+        if method not in KV_METHODS:
+            raise ValueError(f"rank {self.rank}: kv method must be one of {sorted(KV_METHODS)} (got {method!r})")
         if self.runner is None:
+            if method == "detach":
+                return None
             raise RuntimeError(f"rank {self.rank}: KV calls before load()")
-        return self.runner
-
-    def kv_attach(self, factory: Any) -> None:
-        """Build this rank's KV endpoint: ``factory(rank, kv_caches, head_span)`` (once)."""
-        self._kv_runner().kv_attach(factory, rank=self.rank)
-
-    def kv_metadata(self) -> bytes:
-        """This rank's endpoint metadata (for the peer engine's ranks)."""
-        return self._kv_runner().kv_port.metadata()
-
-    def kv_connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
-        """Connect peer engine ``peer_id`` (one metadata entry per peer rank; idempotent)."""
-        self._kv_runner().kv_connect(peer_id, peer_metadata)
-
-    def kv_read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
-        """Read this rank's KV heads of ``peer_id``'s blocks ``src`` into blocks ``dst``;
-        returns the bytes moved (KVRankError naming this rank on failure)."""
-        return self._kv_runner().kv_read(peer_id, src, dst, timeout_s)
-
-    def kv_export(self, block_ids: Sequence[int], heads: tuple[int, int] | None = None) -> Any:
-        """The Ray fallback's source side (``KVEndpointFactory.export_method``): the blocks'
-        bytes of global KV heads ``heads`` (``[lo, hi)``; all of this rank's when None)."""
-        return self._kv_runner().kv_export(block_ids, heads)
-
-    def kv_forget(self, peer_id: str) -> None:
-        self._kv_runner().kv_forget(peer_id)
-
-    def kv_set_fail_next_reads(self, n: int) -> None:
-        """Test seam: this rank's next ``n`` reads fail without moving anything."""
-        self._kv_runner().kv_set_fail_next_reads(n)
-
-    def kv_detach(self) -> None:
-        """Close this rank's KV endpoint (idempotent)."""
-        if self.runner is not None:
-            self.runner.kv_detach()
+        return getattr(self.runner.kv, method)(*args)
 
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
@@ -430,11 +406,17 @@ class Worker:
 
     def shutdown(self) -> None:
         """Close the KV endpoint and leave the process group."""
-        self.kv_detach()
+        self.kv("detach")
         from flotilla.cluster.distributed import destroy
 
         destroy()
 
+
+# What Worker.kv dispatches to the rank's KVPort (never a call that waits for a transfer).
+KV_METHODS = frozenset(
+    {"attach", "metadata", "connect", "submit_read", "poll_reads", "drop_reads", "export", "forget",
+     "set_fail_next_reads", "set_delay_next_reads", "detach"}
+)  # fmt: skip
 
 # Calls that never touch the rank's state, answered even while a step runs (liveness).
 UNLOCKED_METHODS = frozenset({"ping", "node_id"})
@@ -470,8 +452,8 @@ def one_call_at_a_time(cls: type) -> type:
     return type(name, (cls,), members)
 
 
-def build_runner(config: ResolvedConfig, source: ModelSource, layout: ParallelLayout) -> ModelRunner:
-    """A :class:`ModelRunner` whose model is ``layout``'s shard."""
+def shard_runner(config: ResolvedConfig, source: ModelSource, layout: ParallelLayout) -> ModelRunner:
+    """This rank's :class:`ModelRunner`: the model's shard of ``layout`` and its KV cache."""
     return ModelRunner(config, source, parallel=layout)
 
 

@@ -49,13 +49,13 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from flotilla.cluster.engine.gc_pauses import frozen_heap
-from flotilla.cluster.engine.kv_handoff import KVHandoffError
+from flotilla.cluster.engine.kv_contract import KVHandoffError
 from flotilla.cluster.engine.llm_engine import EngineDeadError, LLMEngine
 from flotilla.cluster.engine.outputs import CompletionDelta
 from flotilla.cluster.engine.request import RequestStatus
 from flotilla.serve.async_engine_commands import _Abort, _Add, _AddPrefilled, _Call, _Command, _Prefill, _Stream
 from flotilla.serve.async_engine_elastic import ElasticEPCommands
-from flotilla.serve.async_engine_pd import KVHandoff, KVTransferExpired, PDCommands, PrefillOutcome
+from flotilla.serve.async_engine_pd import KVHandoff, KVTransferExpired, PDCommands
 from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.types import (
     CompletionChunk,
@@ -66,8 +66,8 @@ from flotilla.serve.types import (
     ReplicaLoad,
 )
 
-# NOTE: PrefillOutcome and KVTransferExpired are re-exported: they are part of this module's API.
-__all__ = ["AsyncEngine", "KVTransferExpired", "PrefillOutcome"]
+# NOTE: KVTransferExpired is re-exported: it is part of this module's API.
+__all__ = ["AsyncEngine", "KVTransferExpired"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
 
     The PD commands (:meth:`prefill`, :meth:`generate_prefilled`, mixed in from
     :class:`~flotilla.serve.async_engine_pd.PDCommands`) need a runner with a KV
-    endpoint attached (``runner.kv_attach``; :class:`~flotilla.serve.engine_replica.EngineReplica`
-    does it in the ``prefill`` and ``decode`` pools). The elastic EP commands are mixed in
+    endpoint attached (``runner.kv.attach``; :class:`~flotilla.serve.engine_replica.EngineReplica`
+    has its runner built with one in the ``prefill`` and ``decode`` pools). The elastic EP commands are mixed in
     from :class:`~flotilla.serve.async_engine_elastic.ElasticEPCommands`.
     """
 
@@ -200,16 +200,15 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         max_queued_requests: int = 256,
         *,
         replica_id: str = "0",
-        runner: Any = None,
         pool: str = "colocated",
-        placement: dict[str, dict[str, float]] | None = None,
+        runner_spec: Any = None,
         stream_batch_s: float = 0.0,
     ) -> "AsyncEngine":
         """Build the :class:`LLMEngine` (``config``: the ResolvedConfig, ``source``: the
-        ModelSource, ``tokenizer``: an HF tokenizer or None, ``runner``: a prebuilt model
-        runner or None, ``placement``: the Ray resources of its ranks, see
+        ModelSource, ``tokenizer``: an HF tokenizer or None, ``runner_spec``: how its runner is
+        built, a :class:`~flotilla.cluster.engine.runner_factory.RunnerSpec` or None, see
         ``LLMEngine``) and drive it (``stream_batch_s``: see the class)."""
-        engine = LLMEngine(config, source, tokenizer, runner=runner, placement=placement)
+        engine = LLMEngine(config, source, tokenizer, runner_spec=runner_spec)
         return cls(engine, max_queued_requests, replica_id=replica_id, pool=pool, stream_batch_s=stream_batch_s)
 
     # -- the asyncio side ------------------------------------------------------------
@@ -412,7 +411,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
         if not already:
-            # NOTE: the runner's shutdown closes its KV endpoints too (runner.kv_detach).
+            # NOTE: the runner's shutdown closes its KV endpoints too (runner.kv.detach()).
             stop = getattr(self.engine.runner, "shutdown", None)
             if stop is not None:
                 stop()
@@ -444,10 +443,11 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                 if commands is None:
                     break
                 self._apply(commands)
-                pending = self.engine.take_pending() if commands else []
+                # NOTE: a prefilled request whose KV read ended joins the batch now, and its
+                # first token goes out at once, not with the next step's token.
+                self.engine.observe_kv_reads()
+                pending = self.engine.take_pending()
                 if pending:
-                    # NOTE: a prefilled request's first token goes out now, not with the
-                    # next step's token.
                     self._emit(pending, time.monotonic())
                 if commands or self.engine.has_unfinished_requests():
                     self._step()

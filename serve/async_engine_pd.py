@@ -5,17 +5,22 @@ the engine thread like every other:
 
 - :meth:`AsyncEngine.prefill` runs the prompt with ``max_tokens=1`` and ``hold_kv=True``;
   when it finishes the thread grants a :class:`~flotilla.serve.kv_leases.BlockLeases`
-  lease on its blocks and answers a :class:`PrefillOutcome`. A lease ends by
+  lease on its blocks and answers a :class:`~flotilla.cluster.engine.kv_contract.PrefillTicket`
+  (naming this replica and its runner's KV peer). A lease ends by
   :meth:`AsyncEngine.release_kv` or by expiring: the idle thread wakes for the next
   deadline, so blocks of a reader that never came back are freed on time.
-- :meth:`AsyncEngine.generate_prefilled` (decode side) connects the runner to the
-  ticket's KV peer (once per peer id), then ``LLMEngine.add_prefilled_request`` reads the
-  prefill blocks through ``runner.kv_read`` (timed and counted in the ``kv_transfer``
-  metrics) and streams like :meth:`AsyncEngine.generate`.
-- Small calls (release, the ``fail_next_reads`` test seam) run as ``_Call`` s.
+- :meth:`AsyncEngine.generate_prefilled` (decode side) hands the ticket to
+  ``LLMEngine.add_prefilled_request``: the request waits for its KV while the runner's
+  ``kv`` handle reads it on the ranks' own threads (connecting the peer the first time), the
+  engine thread steps the other requests meanwhile, and the stream goes on like
+  :meth:`AsyncEngine.generate` once the read ended. :class:`KVHandoff` hears each read
+  (``kv_transfer`` metrics, a warning per failure).
+- Small calls (release, the ``fail_next_reads`` and ``delay_next_reads`` test seams) run as
+  ``_Call`` s.
 
 :class:`PDCommands` is the asyncio side (mixed into ``AsyncEngine``); :class:`KVHandoff`
-owns the engine-thread side: the leases on prefilled blocks and the KV peers.
+owns the engine-thread side: the leases on prefilled blocks, the lease check of a ticket
+before it is read, the reads' metrics.
 """
 
 from __future__ import annotations
@@ -23,69 +28,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from flotilla.cluster.engine.kv_handoff import KVHandoffError, check_policy
+from flotilla.cluster.engine.kv_contract import KVHandoffError, PrefillTicket, check_policy
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.serve.async_engine_commands import _Abort, _AddPrefilled, _Prefill
 from flotilla.serve.kv_leases import BlockLeases
 from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.pd import ends_at_first_token, takes_handoff
-from flotilla.serve.types import EngineUnavailableError, GenerateChunk, GenerateRequest, PrefillTicket
+from flotilla.serve.types import EngineUnavailableError, GenerateChunk, GenerateRequest
 
 logger = logging.getLogger(__name__)
-
-# KV peers (prefill engine incarnations) a decode engine stays connected to; the least
-# recently used one is forgotten beyond this (a restarted prefill replica is a new peer).
-MAX_KV_PEERS = 64
 # The decode side reads a ticket's blocks only while the request is younger than this
 # fraction of the ticket's lease (the lease started after the request's arrival, so a
 # younger request's lease has not expired; the rest is margin for the read itself and
 # for clock skew between nodes). Older: the KV counts as lost (the failure policy applies).
 LEASE_READ_FRACTION = 0.9
-
-
-@dataclass
-class PrefillOutcome:
-    """What :meth:`AsyncEngine.prefill` computed: a prompt whose KV blocks the prefill
-    engine holds under a lease (the engine side of a
-    :class:`~flotilla.serve.types.PrefillTicket`).
-
-    Attributes:
-        prefill_request_id: the engine's id for the held blocks (release them under it).
-        first_token: the token sampled after the prompt.
-        block_ids: the blocks holding the prompt's KV, in position order.
-        finish_reason: ``"length"`` (decoding goes on elsewhere) or ``"stop"`` (the first
-            token ends the completion).
-        chunk: the prefill's final chunk (the first token, its text, usage).
-    """
-
-    prefill_request_id: str
-    first_token: int
-    block_ids: list[int]
-    finish_reason: str
-    chunk: GenerateChunk
-
-    def ticket(
-        self, request: GenerateRequest, replica_id: str, peer_id: str, peer_metadata: list[bytes], lease_s: float
-    ) -> PrefillTicket:
-        """The :class:`PrefillTicket` a decode engine needs, for ``request`` prefilled by
-        replica ``replica_id`` whose KV endpoint is ``peer_id`` (``peer_metadata``: per rank)."""
-        return PrefillTicket(
-            request_id=request.request_id,
-            prefill_request_id=self.prefill_request_id,
-            replica_id=replica_id,
-            peer_id=peer_id,
-            peer_metadata=list(peer_metadata),
-            prompt_token_ids=list(request.prompt_token_ids),
-            first_token=self.first_token,
-            block_ids=list(self.block_ids),
-            finish_reason=self.finish_reason,
-            chunk=self.chunk,
-            lease_s=lease_s,
-        )
 
 
 class KVTransferExpired(RuntimeError):
@@ -100,9 +58,10 @@ class PDCommands:
     (``_handoff``) does their engine-thread work.
     """
 
-    async def prefill(self, request: GenerateRequest, lease_s: float) -> PrefillOutcome:
+    async def prefill(self, request: GenerateRequest, lease_s: float) -> PrefillTicket:
         """Compute the prompt's KV and first token, and hold the KV blocks for a decode
-        engine to read (prefill side of a KV handoff).
+        engine to read (prefill side of a KV handoff); the ticket names this replica and the
+        runner's KV peer (empty when it has no KV endpoint).
 
         The request runs with ``n=1`` and ``max_tokens=1`` (its other sampling parameters
         as given); its blocks stay held under a lease of ``lease_s`` seconds, until
@@ -122,7 +81,7 @@ class PDCommands:
                 if isinstance(item, BaseException):
                     answered = True
                     raise item
-                if isinstance(item, PrefillOutcome):
+                if isinstance(item, PrefillTicket):
                     answered = True
                     return item
                 if item.finished:
@@ -145,16 +104,20 @@ class PDCommands:
         self, request: GenerateRequest, ticket: PrefillTicket, policy: str = "recompute", timeout_s: float = 30.0
     ) -> AsyncIterator[GenerateChunk]:
         """Stream a request whose prompt a prefill engine computed (decode side of a KV
-        handoff): the engine allocates blocks, reads the ticket's blocks from its peer
-        (``runner.kv_read``, bounded by ``timeout_s``), takes the ticket's first token as
-        the completion's first and decodes on. Chunks, errors and aborts as :meth:`generate`.
+        handoff): the engine allocates blocks and the request waits for its KV while the
+        runner's ``kv`` handle reads the ticket's blocks from its peer (off the engine
+        thread, bounded by ``timeout_s``; the engine serves its other requests meanwhile);
+        then the ticket's first token is the completion's first chunk and it decodes on.
+        Chunks, errors and aborts as :meth:`generate`.
 
         When the connect or the read fails, ``policy`` decides: ``"recompute"`` computes the
         prompt here (the stream shows no error; ``kv_transfer_failures_total`` counts it),
-        ``"fail"`` raises :class:`~flotilla.cluster.engine.kv_handoff.KVHandoffError` before
-        any chunk. A request older than :data:`LEASE_READ_FRACTION` of the ticket's lease
-        (from its ``arrival_time``) is not read at all (its blocks may be gone) and goes
-        through the policy the same way.
+        ``"fail"`` ends the stream with one final chunk whose ``error`` names
+        ``kv_load_failure_policy='fail'`` (finish reason ``"error"``, before any token). A
+        request older than :data:`LEASE_READ_FRACTION` of the ticket's lease (from its
+        ``arrival_time``) is not read at all (its blocks may be gone): ``recompute`` computes
+        it, ``fail`` raises :class:`~flotilla.cluster.engine.kv_contract.KVHandoffError`
+        before any chunk.
         When the ticket already answers the request (:func:`ends_at_first_token`) its chunk
         is the stream. Requests a handoff cannot carry (``n > 1``, ``logprobs``) run here as
         ordinary requests, prompt included; the ticket is not used.
@@ -182,14 +145,20 @@ class PDCommands:
             yield chunk
 
     async def kv_set_fail_next_reads(self, n: int) -> None:
-        """Test seam: make the runner's next ``n`` KV reads fail (on every local rank)."""
-        await self._call(lambda: self.engine.runner.kv_set_fail_next_reads(int(n)))
+        """Test seam: make the runner's next ``n`` KV reads fail (on every rank)."""
+        await self._call(lambda: self.engine.runner.kv.set_fail_next_reads(int(n)))
+
+    async def kv_set_delay_next_reads(self, seconds: float, n: int = 1) -> None:
+        """Test seam: each of the runner's next ``n`` KV reads waits ``seconds`` before it
+        moves anything (on the ranks' KV threads, within the read's timeout: a slow link)."""
+        await self._call(lambda: self.engine.runner.kv.set_delay_next_reads(float(seconds), int(n)))
 
 
 class KVHandoff:
     """The engine-thread side of the KV handoff: the leases a prefill engine holds on
-    finished prompts' blocks, and the KV peers a decode engine reads from. Only the engine
-    thread calls it.
+    finished prompts' blocks, and what a decode engine checks and counts of the tickets it
+    reads (the engine's :class:`~flotilla.cluster.engine.kv_contract.KVReadListener`). Only
+    the engine thread calls it.
 
     Args:
         engine: the engine the thread drives.
@@ -204,92 +173,72 @@ class KVHandoff:
         # NOTE: BlockLeases holds the leased blocks; the deadlines are kept here too, so the
         # idle thread knows when to wake.
         self.leases = BlockLeases()
-        self._kv_peers: OrderedDict[str, None] = OrderedDict()
+        engine.remote_kv.listener = self
 
     def add_prefilled(self, command: _AddPrefilled) -> None:
-        """Queue a prefilled request: connect to its peer, then let the engine copy the
-        blocks in (``policy`` applies to a failed connect as to a failed read)."""
+        """Queue a prefilled request: the engine reads its KV off this thread (``policy``
+        applies to a failed connect as to a failed read). A ticket too old for its lease is
+        not read (see :data:`LEASE_READ_FRACTION`)."""
         request, ticket = command.request, command.ticket
-        try:
-            self._connect_peer(ticket.peer_id, ticket.peer_metadata)
-        except Exception as exc:  # noqa: BLE001 - any connect failure goes through the policy
-            self.metrics.kv_transfer_failures.inc()
-            logger.warning(
-                "replica %s: connecting to KV peer %r failed (%s: %s)",
-                self.metrics.replica_id, ticket.peer_id, type(exc).__name__, exc,
+        # NOTE: blocks past their lease may be freed and reused on the prefill side:
+        # reading them would decode from someone else's KV without an error.
+        age_s = time.time() - command.arrival_wall
+        if age_s >= LEASE_READ_FRACTION * ticket.lease_s:
+            error = KVTransferExpired(
+                f"request {request.request_id!r} arrived {age_s:.1f} s ago: the prefill replica's "
+                f"{ticket.lease_s} s lease on its KV blocks may have ended; not reading them"
             )
+            self.kv_read_failed(ticket.peer_id, len(ticket.block_ids), error)
             if command.policy == "fail":
-                raise KVHandoffError(
-                    f"request {request.request_id!r}: connecting to the prefill replica's KV endpoint "
-                    f"{ticket.peer_id!r} failed ({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
-                ) from exc
+                raise KVHandoffError(f"request {request.request_id!r}: {error}; kv_load_failure_policy='fail'") from error
             self.engine.add_request(
                 request.prompt_token_ids, request.params, request_id=command.engine_id, priority=request.priority
             )
             return
-
-        def copy_blocks(src: list[int], dst: list[int]) -> None:
-            # NOTE: blocks past their lease may be freed and reused on the prefill side:
-            # reading them would decode from someone else's KV without an error.
-            age_s = time.time() - command.arrival_wall
-            if age_s >= LEASE_READ_FRACTION * ticket.lease_s:
-                self.metrics.kv_transfer_failures.inc()
-                raise KVTransferExpired(
-                    f"request {request.request_id!r} arrived {age_s:.1f} s ago: the prefill replica's "
-                    f"{ticket.lease_s} s lease on its KV blocks may have ended; not reading them"
-                )
-            self._read_blocks(ticket.peer_id, src, dst, command.timeout_s)
-
         self.engine.add_prefilled_request(
-            request.prompt_token_ids,
-            ticket.first_token,
-            ticket.block_ids,
-            copy_blocks,
+            ticket,
             request.params,
             request_id=command.engine_id,
             policy=command.policy,
             priority=request.priority,
+            timeout_s=command.timeout_s,
         )
 
-    def _connect_peer(self, peer_id: str, peer_metadata: list[bytes]) -> None:
-        """Connect the runner to a prefill engine's KV endpoint, once per peer id."""
-        if peer_id in self._kv_peers:
-            self._kv_peers.move_to_end(peer_id)
-            return
-        self.engine.runner.kv_connect(peer_id, list(peer_metadata))
-        self._kv_peers[peer_id] = None
-        while len(self._kv_peers) > MAX_KV_PEERS:
-            old, _ = self._kv_peers.popitem(last=False)
-            try:
-                self.engine.runner.kv_forget(old)
-            except Exception:  # noqa: BLE001 - a peer that cannot be forgotten costs memory only
-                logger.debug("replica %s: forgetting KV peer %r failed", self.metrics.replica_id, old, exc_info=True)
+    # -- the engine's KVReadListener (on this thread, when the engine observes a read) ------
 
-    def _read_blocks(self, peer_id: str, src: list[int], dst: list[int], timeout_s: float) -> None:
-        """``copy_blocks`` of a KV handoff: ``runner.kv_read``, timed and counted."""
-        if not src:
-            return
-        started = time.monotonic()
-        try:
-            moved = self.engine.runner.kv_read(peer_id, list(src), list(dst), timeout_s)
-        except Exception as exc:
-            self.metrics.kv_transfer_failures.inc()
-            logger.warning(
-                "replica %s: reading %d KV blocks from peer %r failed (%s: %s)",
-                self.metrics.replica_id, len(src), peer_id, type(exc).__name__, exc,
-            )
-            raise
-        self.metrics.record_kv_transfer(int(moved or 0), time.monotonic() - started)
+    def kv_read_done(self, peer_id: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.metrics.record_kv_transfer(int(num_bytes), seconds)
 
-    def finish_prefill(self, command: _Prefill, chunk: GenerateChunk) -> PrefillOutcome | Exception:
-        """A prefill finished: lease its blocks and answer the outcome, or free them and
+    def kv_read_failed(self, peer_id: str, num_blocks: int, error: BaseException) -> None:
+        self.metrics.kv_transfer_failures.inc()
+        logger.warning(
+            "replica %s: reading %d KV blocks from peer %r failed (%s: %s)",
+            self.metrics.replica_id, num_blocks, peer_id, type(error).__name__, error,
+        )
+
+    def finish_prefill(self, command: _Prefill, chunk: GenerateChunk) -> PrefillTicket | Exception:
+        """A prefill finished: lease its blocks and answer its ticket, or free them and
         answer the error."""
         completion = next((c for c in chunk.completions if c.index == 0), None)
         reason = None if completion is None else completion.finish_reason
         blocks = self.engine.held_kv_blocks(command.engine_id)
         if reason in ("length", "stop") and blocks and completion.token_ids:
             self.leases.grant(command.engine_id, blocks, command.lease_s)
-            return PrefillOutcome(command.engine_id, completion.token_ids[0], blocks, reason, chunk)
+            kv = self.engine.runner.kv
+            return PrefillTicket(
+                request_id=command.request.request_id,
+                prefill_request_id=command.engine_id,
+                prompt_token_ids=list(command.request.prompt_token_ids),
+                first_token=completion.token_ids[0],
+                block_ids=blocks,
+                finish_reason=reason,
+                replica_id=self.metrics.replica_id,
+                peer_id=(kv.peer_id or "") if kv.attached else "",
+                # NOTE: the runner's handle keeps its ranks' metadata (fixed until it detaches).
+                peer_metadata=kv.metadata() if kv.attached else [],
+                lease_s=command.lease_s,
+                chunk=chunk,
+            )
         self.engine.release_kv(command.engine_id)
         return EngineUnavailableError(
             f"the prefill of request {command.request.request_id!r} ended with {reason!r}: {chunk.error or 'no token'}"

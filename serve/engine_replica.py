@@ -17,11 +17,12 @@ construct it directly. Inside Serve:
 
 Under prefill/decode disaggregation (:mod:`flotilla.serve.pd`) a replica has a role, its
 ``pool``: ``prefill`` replicas answer :meth:`EngineReplica.prefill` with a
-:class:`~flotilla.serve.types.PrefillTicket` and free the blocks on
+:class:`~flotilla.cluster.engine.kv_contract.PrefillTicket` and free the blocks on
 :meth:`EngineReplica.release_kv`; ``decode`` replicas stream
-:meth:`EngineReplica.generate_prefilled`. Both attach a KV endpoint to every rank of their
-runner (:class:`~flotilla.cluster.kv.endpoint.KVEndpointFactory`, named uniquely per
-replica incarnation: a restarted replica is a new KV peer).
+:meth:`EngineReplica.generate_prefilled`. Both have their runner built with a KV endpoint on
+every rank (:func:`~flotilla.cluster.engine.runner_factory.build_runner` with a
+:class:`~flotilla.cluster.kv.endpoint.KVEndpointFactory`; named uniquely per runner
+incarnation: a restarted replica is a new KV peer).
 
 An elastic EP deployment (``options.elastic_plan`` set; one replica holds the whole group)
 grows through :meth:`EngineReplica.scale_elastic_ep` (an
@@ -39,9 +40,11 @@ import dataclasses
 import logging
 import os
 import sys
-import uuid
 from typing import Any, AsyncIterator
 
+from flotilla.cluster.engine.kv_contract import PrefillTicket
+from flotilla.cluster.engine.runner_factory import RunnerSpec
+from flotilla.cluster.kv.endpoint import KVEndpointFactory
 from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.models.sources import ModelSource, served_model_source
 from flotilla.cluster.models.tokenizer import load_tokenizer_or_none
@@ -55,7 +58,8 @@ from flotilla.serve.elastic_ep import (
     not_elastic_message,
 )
 from flotilla.serve.metrics import POOLS, push_metrics_forever
-from flotilla.serve.types import GenerateChunk, GenerateRequest, PrefillTicket, ReplicaPin, ServeOptions, placement_group_of
+from flotilla.serve.plan import ranks_in_replica
+from flotilla.serve.types import GenerateChunk, GenerateRequest, ReplicaPin, ServeOptions, placement_group_of
 
 logger = logging.getLogger(__name__)
 
@@ -102,22 +106,14 @@ class EngineReplica:
         tokenizer = None
         if not config.skip_tokenizer_init:
             tokenizer = load_tokenizer_or_none(self.source, config.tokenizer_path)[0]
+        self.engine = AsyncEngine.from_config(
+            config, self.source, tokenizer, options.max_queued_requests,
+            replica_id=self.replica_id, pool=pool, runner_spec=self._runner_spec(),
+            stream_batch_s=options.stream_batch_ms / 1000.0,
+        )  # fmt: skip
         # The KV peer this replica is to decode replicas (PD roles only).
-        self.kv_peer_id: str | None = None
-        self.kv_metadata: list[bytes] = []
-        runner = None if pool == "colocated" else self._kv_runner()
-        try:
-            placement = {"ranks": options.resources_for(placement_group_of(pool)), "joiners": options.resources_for("joiners")}
-            self.engine = AsyncEngine.from_config(
-                config, self.source, tokenizer, options.max_queued_requests,
-                replica_id=self.replica_id, runner=runner, pool=pool, placement=placement,
-                stream_batch_s=options.stream_batch_ms / 1000.0,
-            )
-        except BaseException:
-            if runner is not None:
-                with contextlib.suppress(Exception):
-                    runner.shutdown()
-            raise
+        kv = self.engine.engine.runner.kv
+        self.kv_peer_id: str | None = kv.peer_id if kv.attached else None
         self._push_task: asyncio.Task | None = None
         self.elastic: ElasticEPScaler | None = None
         self._autoscale: Any = None
@@ -129,29 +125,18 @@ class EngineReplica:
             self._start_pushing_metrics()
         logger.info("engine replica %s (pool %s) serves %s", self.replica_id, pool, self.source.path)
 
-    def _kv_runner(self) -> Any:
-        """The model runner of a PD role, with a KV endpoint on every rank."""
-        from flotilla.cluster.kv.endpoint import KVEndpointFactory
-        from flotilla.serve.plan import ranks_in_replica
-
-        factory = KVEndpointFactory(kind=self.options.kv_transport, name=f"{self.replica_id}-{uuid.uuid4().hex[:8]}")
-        if ranks_in_replica(self.config, self.options, self.pool):
-            from flotilla.cluster.engine.model_runner import ModelRunner
-
-            runner = ModelRunner(self.config, self.source)
-        else:
-            from flotilla.cluster.engine.group_runner import GroupRunner
-
-            runner = GroupRunner(self.config, self.source, rank_resources=self.options.resources_for(self.pool))
-        try:
-            runner.kv_attach(factory)
-            self.kv_metadata = list(runner.kv_metadata())
-        except BaseException:
-            with contextlib.suppress(Exception):
-                runner.shutdown()  # NOTE: closes the endpoints and stops the workers
-            raise
-        self.kv_peer_id = factory.name
-        return runner
+    def _runner_spec(self) -> RunnerSpec:
+        """How this replica's runner is built: where its ranks run (``ranks_in_replica``), their
+        Ray resources (its placement group's and the elastic EP joiners'), and in a PD role a
+        KV endpoint on every rank (named after this replica, plus a tag per incarnation)."""
+        options, pool = self.options, self.pool
+        kv_endpoint = None if pool == "colocated" else KVEndpointFactory(kind=options.kv_transport, name=self.replica_id)
+        return RunnerSpec(
+            ranks_in_actors=not ranks_in_replica(self.config, options, pool),
+            rank_resources=options.resources_for(placement_group_of(pool)),
+            joiner_resources=options.resources_for("joiners"),
+            kv_endpoint=kv_endpoint,
+        )
 
     def _start_elastic_ep(self, plan: ElasticEPPlan) -> None:
         """The scaler, its metrics and (when enabled) the autoscaler's driver."""
@@ -213,9 +198,8 @@ class EngineReplica:
         """Compute the prompt's KV and first token and hold the blocks under a lease of
         ``options.kv_lease_s`` (see :meth:`AsyncEngine.prefill` for the errors); the
         ticket names this replica and its KV peer."""
-        peer_id = self._require_kv_peer("prefill")
-        outcome = await self.engine.prefill(request, self.options.kv_lease_s)
-        return outcome.ticket(request, self.replica_id, peer_id, self.kv_metadata, self.options.kv_lease_s)
+        self._require_kv_peer("prefill")
+        return await self.engine.prefill(request, self.options.kv_lease_s)
 
     async def release_kv(self, pin: ReplicaPin, prefill_request_id: str) -> bool:
         """Free the blocks a :meth:`prefill` holds; False when ``pin`` names another

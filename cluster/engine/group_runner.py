@@ -21,10 +21,13 @@ answer two short queries between steps); :meth:`GroupRunner.commit_join` moves e
 to the grown world (on the engine's thread, between steps); :meth:`GroupRunner.abort_join`
 drops joiners that will not join.
 
-For prefill/decode disaggregation each rank holds its own KV endpoint in its actor
-(``kv_attach(factory)``); ``kv_read`` has every rank pull the KV heads it holds from the
-peer engine's ranks that hold them, so prefill and decode may differ in TP size. A group
-of one rank (``tp_size == 1``) works too: the Ray-object fallback transport needs the
+For prefill/decode disaggregation each rank holds its own KV port in its actor, and
+``GroupRunner.kv`` (a :class:`GroupKV`) fans every call out to them: a read has every rank
+pull the KV heads it holds from the peer engine's ranks that hold them (so prefill and decode
+may differ in TP size), each on its port's thread; the ranks answer at once and the driver
+polls them for the outcome between steps (a :class:`GroupKVRead`), so no call to a rank waits
+for a transfer while a step could be waiting behind it (a rank serves one call at a time). A
+group of one rank (``tp_size == 1``) works too: the Ray-object fallback transport needs the
 rank in an actor.
 """
 
@@ -32,7 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
+import time
+from concurrent.futures import CancelledError
 from typing import Any, Sequence
 
 import torch
@@ -64,6 +70,8 @@ def _shipped(row: SamplingRow) -> SamplingRow:
 DEFAULT_STEP_TIMEOUT_S = 300.0
 # Bound on closing the ranks' KV endpoints at shutdown (they are killed right after).
 KV_DETACH_TIMEOUT_S = 10.0
+# A group's KV reads are polled on its ranks at most this often (one call for all of them).
+KV_POLL_INTERVAL_S = 0.002
 
 
 def ensure_ray(num_ranks: int) -> None:
@@ -186,7 +194,8 @@ class GroupRunner:
         if config.random_seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
         self.sampler = Sampler(generator)
-        self._kv_attached = False
+        # The ranks' KV ports, as one handle (prefill/decode disaggregation).
+        self.kv = GroupKV(self.group)
         # The last pipelined step launched whose tokens are still on the ranks (see launch).
         self._open: GroupBatch | None = None
         self._startup = self.group.call("startup_report")
@@ -328,69 +337,193 @@ class GroupRunner:
         """Kill prepared joiners that will not join (idempotent)."""
         self.group.discard_joiners(joiners)
 
-    # -- KV transfer (prefill/decode disaggregation): one endpoint per rank, in its actor ----
-    # NOTE: every call goes through WorkerGroup.call: a rank's KVRankError (or ValueError)
-    # is re-raised naming the rank and leaves the group usable; a dead or silent rank
-    # breaks it (WorkerGroupError), so the engine fails at its next step.
-
-    def kv_attach(self, factory: Any) -> None:
-        """Build every rank's KV endpoint in its actor: ``factory(rank, kv_caches, head_span)``
-        (``factory`` is pickled to the ranks; once until :meth:`kv_detach`).
-        NotImplementedError under DCP, DP attention or attention context parallelism."""
-        topology = self.group.topology
-        check_kv_attachable(topology.dcp_size, topology.attn_dp_size, topology.attn_cp_size)
-        if self._kv_attached:
-            raise RuntimeError("KV endpoints are already attached to this group's ranks; kv_detach() before attaching others")
-        try:
-            self.group.call("kv_attach", factory)
-        except Exception:
-            # NOTE: ranks that attached before another failed close again, so a retry starts clean.
-            with contextlib.suppress(Exception):
-                self.group.call("kv_detach")
-            raise
-        self._kv_attached = True
-
-    def kv_metadata(self) -> list[bytes]:
-        """Every rank's endpoint metadata, in rank order."""
-        return self.group.call("kv_metadata")
-
-    def kv_connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
-        """Every rank connects peer engine ``peer_id`` (its ``kv_metadata()``; idempotent)."""
-        self.group.call("kv_connect", peer_id, list(peer_metadata))
-
-    def kv_read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
-        """Every rank reads its KV heads of ``peer_id``'s blocks ``src`` into blocks ``dst``;
-        returns the bytes moved, all ranks summed. KVRankError naming the rank when a rank's
-        transfer failed; WorkerGroupError when a rank died or did not answer within
-        ``timeout_s`` plus the group's RPC bound."""
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive (got timeout_s={timeout_s!r})")
-        src, dst = [int(b) for b in src], [int(b) for b in dst]
-        # NOTE: each rank bounds its own read by timeout_s; the wait adds the RPC bound on top so
-        # a slow transfer surfaces as that rank's KVRankError, not as a broken group.
-        bound = self.group.rpc_timeout_s + float(timeout_s)
-        return sum(self.group.call("kv_read", peer_id, src, dst, float(timeout_s), timeout_s=bound))
-
-    def kv_forget(self, peer_id: str) -> None:
-        """Every rank drops peer engine ``peer_id``."""
-        self.group.call("kv_forget", peer_id)
-
-    def kv_set_fail_next_reads(self, n: int) -> None:
-        """Test seam: every rank's next ``n`` reads fail without moving anything."""
-        self.group.call("kv_set_fail_next_reads", n)
-
-    def kv_detach(self) -> None:
-        """Close every rank's KV endpoint (idempotent)."""
-        self.group.call("kv_detach")
-        self._kv_attached = False
-
     def shutdown(self) -> None:
         """Close the KV endpoints (best effort: a broken group is killed as it is), then stop
         every rank (idempotent); the Ray cluster itself stays up."""
-        if self._kv_attached:
-            self._kv_attached = False
-            try:
-                self.group.call("kv_detach", timeout_s=min(self.group.rpc_timeout_s, KV_DETACH_TIMEOUT_S))
-            except Exception:  # noqa: BLE001 - the ranks are killed next anyway
-                pass
+        self.kv.close()
         self.group.shutdown()
+
+
+class GroupKV:
+    """``GroupRunner.kv``: the group's ranks' KV ports as one handle, every call fanned out
+    to every rank (``Worker.kv(method, ...)`` through ``WorkerGroup.call``).
+
+    NOTE: a rank's KVRankError (or ValueError) is re-raised naming the rank and leaves the
+    group usable; a dead or silent rank breaks it (WorkerGroupError), so the engine fails at
+    its next step.
+    """
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.peer_id: str | None = None
+        self._metadata: list[bytes] | None = None
+        self._ids = itertools.count()
+        # Reads in flight: id -> {rank: its outcome so far}.
+        self._reads: dict[int, dict[int, Any]] = {}
+        self._polled_at = 0.0
+
+    @property
+    def attached(self) -> bool:
+        return self.peer_id is not None
+
+    def attach(self, factory: Any) -> None:
+        """Build every rank's KV endpoint in its actor: ``factory(rank, kv_caches, head_span)``
+        (``factory`` is pickled to the ranks; once until :meth:`detach`).
+        NotImplementedError under DCP, DP attention or attention context parallelism."""
+        topology = self.group.topology
+        check_kv_attachable(topology.dcp_size, topology.attn_dp_size, topology.attn_cp_size)
+        if self.attached:
+            raise RuntimeError("KV endpoints are already attached to this group's ranks; detach them (kv.detach()) first")
+        try:
+            self.group.call("kv", "attach", factory)
+        except Exception:
+            # NOTE: ranks that attached before another failed close again, so a retry starts clean.
+            with contextlib.suppress(Exception):
+                self.group.call("kv", "detach")
+            raise
+        self.peer_id = getattr(factory, "name", None) or "kv"
+
+    def metadata(self) -> list[bytes]:
+        """Every rank's endpoint metadata, in rank order (fixed until :meth:`detach`)."""
+        if self._metadata is None:
+            self._metadata = [entry for rank in self.group.call("kv", "metadata") for entry in rank]
+        return list(self._metadata)
+
+    def connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
+        """Every rank connects peer engine ``peer_id`` (its ``metadata()``; idempotent).
+        NOTE: waits for reads in flight on the ranks; the engine connects through
+        :meth:`start_read`'s ``connect_with`` instead."""
+        self.group.call("kv", "connect", peer_id, list(peer_metadata))
+
+    def start_read(
+        self,
+        peer_id: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        timeout_s: float,
+        connect_with: Sequence[bytes] | None = None,
+    ) -> "GroupKVRead":
+        """Have every rank start reading its KV heads of ``peer_id``'s blocks ``src`` into
+        blocks ``dst`` (each on its port's thread, bounded by ``timeout_s``; connecting the
+        peer first with ``connect_with`` when a rank has not); returns at once with a handle
+        the driver polls. Its result is the bytes moved, all ranks summed, or the lowest
+        failing rank's KVRankError; WorkerGroupError when a rank died."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive (got timeout_s={timeout_s!r})")
+        read_id = next(self._ids)
+        args = (peer_id, [int(b) for b in src], [int(b) for b in dst], float(timeout_s))
+        self.group.call("kv", "submit_read", read_id, *args, None if connect_with is None else list(connect_with))
+        self._reads[read_id] = {}
+        # NOTE: each rank bounds its read by timeout_s; past that plus the group's RPC bound a
+        # silent rank counts as a failed read.
+        return GroupKVRead(self, read_id, time.monotonic() + float(timeout_s) + self.group.rpc_timeout_s)
+
+    def read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
+        """:meth:`start_read` and wait for it (polling the ranks): the bytes moved."""
+        return self.start_read(peer_id, src, dst, timeout_s).result()
+
+    def export(self, block_ids: Sequence[int], heads: tuple[int, int] | None = None) -> list[Any]:
+        """Every rank's Ray-fallback export of the blocks (rank order)."""
+        return self.group.call("kv", "export", [int(b) for b in block_ids], heads)
+
+    def forget(self, peer_id: str) -> None:
+        """Every rank drops peer engine ``peer_id`` (after its reads queued before)."""
+        self.group.call("kv", "forget", peer_id)
+
+    def set_fail_next_reads(self, n: int) -> None:
+        """Test seam: every rank's next ``n`` reads fail without moving anything."""
+        self.group.call("kv", "set_fail_next_reads", n)
+
+    def set_delay_next_reads(self, seconds: float, n: int = 1) -> None:
+        """Test seam: every rank's next ``n`` reads wait ``seconds`` first (a slow link)."""
+        self.group.call("kv", "set_delay_next_reads", seconds, n)
+
+    def detach(self) -> None:
+        """Close every rank's KV endpoint (idempotent)."""
+        self.group.call("kv", "detach")
+        self._forget_all()
+
+    def close(self) -> None:
+        """:meth:`detach`, best effort and bounded (shutdown: a broken group is killed next)."""
+        if not self.attached:
+            return
+        self._forget_all()
+        try:
+            self.group.call("kv", "detach", timeout_s=min(self.group.rpc_timeout_s, KV_DETACH_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - the ranks are killed next anyway
+            pass
+
+    def _forget_all(self) -> None:
+        self.peer_id, self._metadata = None, None
+        self._reads.clear()
+
+    # -- the reads in flight (GroupKVRead) --------------------------------------------------
+
+    def _outcome(self, read_id: int) -> Any:
+        """The read's outcome once every rank has one (None while any rank reads): the bytes
+        summed, or the lowest rank's exception."""
+        ranks = self._reads.get(read_id)
+        if ranks is None or len(ranks) < self.group.world_size:
+            return None
+        del self._reads[read_id]
+        failed = [ranks[r] for r in sorted(ranks) if isinstance(ranks[r], BaseException)]
+        return failed[0] if failed else sum(int(ranks[r]) for r in ranks)
+
+    def _poll(self) -> None:
+        """Ask every rank for its reads in flight that ended (one call for all of them)."""
+        if not self._reads or time.monotonic() - self._polled_at < KV_POLL_INTERVAL_S:
+            return
+        ids = list(self._reads)
+        try:
+            answers = self.group.call("kv", "poll_reads", ids)
+        except Exception as exc:  # noqa: BLE001 - a broken group fails every read in flight
+            for ranks in self._reads.values():
+                for rank in range(self.group.world_size):
+                    ranks.setdefault(rank, exc)
+            return
+        finally:
+            self._polled_at = time.monotonic()
+        for rank, ended in enumerate(answers):
+            for read_id, outcome in ended.items():
+                if read_id in self._reads:
+                    self._reads[read_id][rank] = outcome
+
+    def _drop(self, read_id: int) -> None:
+        if self._reads.pop(read_id, None) is not None:
+            with contextlib.suppress(Exception):
+                self.group.call("kv", "drop_reads", [read_id])
+
+
+class GroupKVRead:
+    """One KV read of a worker group (:meth:`GroupKV.start_read`), a
+    :class:`~flotilla.cluster.engine.kv_contract.KVRead`: :meth:`done` polls the ranks
+    (never waits for a transfer), :meth:`result` waits, polling."""
+
+    def __init__(self, kv: GroupKV, read_id: int, deadline: float):
+        self._kv, self.read_id, self._deadline = kv, read_id, deadline
+        self._ended = False
+        self._outcome: Any = None
+
+    def done(self) -> bool:
+        if not self._ended:
+            self._kv._poll()
+            outcome = self._kv._outcome(self.read_id)
+            if outcome is None and time.monotonic() > self._deadline:
+                self._kv._drop(self.read_id)
+                outcome = TimeoutError(f"the worker group's ranks did not end KV read {self.read_id} within its bound")
+            if outcome is not None:
+                self._ended, self._outcome = True, outcome
+        return self._ended
+
+    def result(self) -> int:
+        while not self.done():
+            time.sleep(KV_POLL_INTERVAL_S)
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return int(self._outcome)
+
+    def cancel(self) -> bool:
+        if not self._ended:
+            self._kv._drop(self.read_id)
+            self._ended, self._outcome = True, CancelledError(f"KV read {self.read_id} was given up")
+        return True

@@ -1,23 +1,26 @@
 """The engine side of a prefill/decode KV handoff, in one process and without Ray.
 
 A prefill engine computes a prompt's KV and its first token and keeps the KV blocks
-(:func:`prefill`); a decode engine allocates blocks for the prompt, has the prefill
-blocks copied into them, takes the first token as its first output and decodes on
-(:func:`decode_prefilled`); the prefill side then frees its blocks
-(:func:`release_prefill`). :func:`handoff` does all three.
+(:func:`prefill`, answering a :class:`~flotilla.cluster.engine.kv_contract.PrefillTicket`); a
+decode engine admits the request waiting for its KV, has the prefill blocks copied into its
+own and, once the copy is done, takes the first token as its first output and decodes on
+(:func:`decode_prefilled`); the prefill side then frees its blocks (:func:`release_prefill`).
+:func:`handoff` does all three.
 
-How blocks move is the caller's: a ``copy_blocks(src_block_ids, dst_block_ids)``
-callable fills decode blocks ``dst[i]`` (every layer, every cache tensor) from prefill
-blocks ``src[i]``. :func:`tensor_block_copier` copies between two caches of this
-process; :func:`transport_block_copier` wraps any object with a
-``read(peer, src_block_ids, dst_block_ids, timeout_s)`` method (``cluster.kv.transport``'s
-transports; NOTE: duck-typed, so ``cluster/`` never imports ``serve``).
+How blocks move is the caller's: a ``copy_blocks(src_block_ids, dst_block_ids)`` callable
+fills decode blocks ``dst[i]`` (every layer, every cache tensor) from prefill blocks ``src[i]``
+(:class:`BlockCopier` makes it the engine's
+:class:`~flotilla.cluster.engine.kv_contract.KVReader`; it copies when the read starts). For
+reads off the engine's thread pass a reader instead: the decode runner's ``kv`` handle (its
+rank's port), as the serving engines do. :func:`tensor_block_copier` copies between two caches
+of this process; :func:`transport_block_copier` wraps any object with a ``read(peer,
+src_block_ids, dst_block_ids, timeout_s)`` method (``cluster.kv.transport``'s transports).
 
-Failure policy (vLLM's ``kv_load_failure_policy``): ``"recompute"`` turns a request
-whose copy failed into an ordinary request that computes its prompt on the decode
-engine (the caller sees no error); ``"fail"`` raises :class:`KVHandoffError` and
-queues nothing. Either way no block is leaked on the decode side, and the prefill
-side's blocks are freed by :func:`release_prefill` (``handoff`` always calls it).
+Failure policy (vLLM's ``kv_load_failure_policy``): ``"recompute"`` turns a request whose
+copy failed into an ordinary request that computes its prompt on the decode engine (the
+caller sees no error); ``"fail"`` finishes it with ``"error"``. Either way no block is leaked
+on the decode side, and the prefill side's blocks are freed by :func:`release_prefill`
+(``handoff`` always calls it).
 
 Greedy decoding gives the colocated engine's tokens: the prompt's KV and the first
 token are the ones the colocated engine would compute. Seeded random sampling does
@@ -26,53 +29,66 @@ not carry the generator's state across engines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from flotilla.cluster.engine.kv_contract import (
+    DEFAULT_KV_READ_TIMEOUT_S,
+    KV_LOAD_FAILURE_POLICIES,
+    KVHandoffError,
+    KVReader,
+    PrefillTicket,
+    check_policy,
+)
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.kernels.kv_dtype import storage_view
 
 if TYPE_CHECKING:
     from flotilla.cluster.engine.llm_engine import LLMEngine
 
-# What a decode engine does when the prompt's KV cannot be copied in.
-KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+__all__ = [
+    "KV_LOAD_FAILURE_POLICIES",
+    "BlockCopier",
+    "CopyBlocks",
+    "KVHandoffError",
+    "PrefillTicket",
+    "check_policy",
+    "decode_prefilled",
+    "handoff",
+    "prefill",
+    "release_prefill",
+    "tensor_block_copier",
+    "transport_block_copier",
+]
 
 CopyBlocks = Callable[[list[int], list[int]], None]
 
 
-class KVHandoffError(RuntimeError):
-    """A prompt's KV could not be loaded on the decode engine under ``policy="fail"``."""
+class BlockCopier:
+    """A ``copy_blocks`` callable as a :class:`~flotilla.cluster.engine.kv_contract.KVReader`:
+    the copy runs when the read starts (on the caller's thread: offline handoffs and tests);
+    its outcome is a done future."""
 
+    def __init__(self, copy_blocks: CopyBlocks):
+        self.copy_blocks = copy_blocks
 
-def check_policy(policy: str) -> None:
-    if policy not in KV_LOAD_FAILURE_POLICIES:
-        raise ValueError(f"policy must be one of {KV_LOAD_FAILURE_POLICIES} (got policy={policy!r})")
+    def start_read(
+        self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float, connect_with: Any = None
+    ) -> Future:
+        done: Future = Future()
+        try:
+            self.copy_blocks(list(src), list(dst))
+        except Exception as exc:  # noqa: BLE001 - the read's outcome
+            done.set_exception(exc)
+        else:
+            done.set_result(0)
+        return done
 
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """A computed prompt held in a prefill engine's KV cache.
-
-    Attributes:
-        request_id: the prefill engine's id for it (release its blocks under this id).
-        prompt_token_ids: the prompt.
-        first_token: the token sampled after the prompt.
-        block_ids: the prefill engine's blocks holding the prompt's KV, in position order
-            (empty when the request ended without holding any, e.g. aborted).
-        num_tokens: tokens whose KV the blocks hold (the prompt's length).
-        finish_reason: the prefill completion's reason: ``"length"`` normally,
-            ``"stop"`` when the first token already ends the completion (nothing to decode).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    first_token: int
-    block_ids: list[int]
-    num_tokens: int
-    finish_reason: str | None
+    def forget(self, peer_id: str) -> None:
+        pass
 
 
 def prefill(
@@ -80,7 +96,7 @@ def prefill(
     prompt_token_ids: Sequence[int],
     params: SamplingParams | None = None,
     request_id: str | None = None,
-) -> PrefillResult:
+) -> PrefillTicket:
     """Compute ``prompt_token_ids`` on ``engine`` and sample one token, keeping the KV.
 
     ``params`` are the request's sampling parameters (``max_tokens`` is replaced by 1).
@@ -109,37 +125,34 @@ def prefill(
             f"prefill of request {request_id!r} ended with {completion.finish_reason!r}: {output.error or 'no token'}"
         )
     blocks = engine.held_kv_blocks(request_id) or []
-    return PrefillResult(
-        request_id, list(output.prompt_token_ids), completion.token_ids[0], blocks, len(output.prompt_token_ids), completion.finish_reason
+    return PrefillTicket(
+        request_id, request_id, list(output.prompt_token_ids), completion.token_ids[0], blocks, completion.finish_reason
     )
 
 
-def release_prefill(engine: "LLMEngine", result: PrefillResult) -> bool:
-    """Free the prefill engine's blocks of ``result``; False when already released."""
-    return engine.release_kv(result.request_id)
+def release_prefill(engine: "LLMEngine", ticket: PrefillTicket) -> bool:
+    """Free the prefill engine's blocks of ``ticket``; False when already released."""
+    return engine.release_kv(ticket.prefill_request_id)
 
 
 def decode_prefilled(
     engine: "LLMEngine",
-    result: PrefillResult,
-    copy_blocks: CopyBlocks,
+    ticket: PrefillTicket,
+    copy_blocks: CopyBlocks | KVReader,
     params: SamplingParams | None = None,
     request_id: str | None = None,
     policy: str = "recompute",
     stream: bool = False,
+    timeout_s: float = DEFAULT_KV_READ_TIMEOUT_S,
 ) -> str:
-    """Queue ``result``'s request on the decode ``engine`` (see
-    ``LLMEngine.add_prefilled_request``); returns the decode engine's request id.
-    The caller releases the prefill blocks afterwards, whatever happened."""
+    """Queue ``ticket``'s request on the decode ``engine`` (see
+    ``LLMEngine.add_prefilled_request``), its blocks filled by ``copy_blocks`` (a callable,
+    or a :class:`~flotilla.cluster.engine.kv_contract.KVReader` such as the decode runner's
+    ``kv`` handle); returns the decode engine's request id. Step the engine for the tokens;
+    release the prefill blocks once the request runs or failed (its read ended)."""
+    reader = BlockCopier(copy_blocks) if callable(copy_blocks) else copy_blocks
     return engine.add_prefilled_request(
-        result.prompt_token_ids,
-        result.first_token,
-        result.block_ids,
-        copy_blocks,
-        params,
-        request_id=request_id,
-        stream=stream,
-        policy=policy,
+        ticket, params, request_id=request_id, stream=stream, policy=policy, timeout_s=timeout_s, reader=reader
     )
 
 
@@ -147,20 +160,25 @@ def handoff(
     prefill_engine: "LLMEngine",
     decode_engine: "LLMEngine",
     prompt_token_ids: Sequence[int],
-    copy_blocks: CopyBlocks,
+    copy_blocks: CopyBlocks | KVReader,
     params: SamplingParams | None = None,
     request_id: str | None = None,
     policy: str = "recompute",
-) -> tuple[PrefillResult, str]:
-    """Prefill on ``prefill_engine``, queue the decode on ``decode_engine``, release the
-    prefill blocks (also when the decode side raised). Returns the prefill result and the
-    decode engine's request id; step ``decode_engine`` to get the rest of the tokens."""
+) -> tuple[PrefillTicket, str]:
+    """Prefill on ``prefill_engine``, queue the decode on ``decode_engine`` and wait until its
+    KV read ended (the decode engine steps meanwhile), then release the prefill blocks (also
+    when the decode side raised). Returns the ticket and the decode engine's request id;
+    step ``decode_engine`` for the rest of the tokens."""
     check_policy(policy)
-    result = prefill(prefill_engine, prompt_token_ids, params, request_id)
+    ticket = prefill(prefill_engine, prompt_token_ids, params, request_id)
     try:
-        return result, decode_prefilled(decode_engine, result, copy_blocks, params, request_id, policy)
+        decode_id = decode_prefilled(decode_engine, ticket, copy_blocks, params, request_id, policy)
+        while decode_id in decode_engine.remote_kv:
+            # NOTE: the prefill blocks must stay held until the read ended.
+            decode_engine.step()
+        return ticket, decode_id
     finally:
-        release_prefill(prefill_engine, result)
+        release_prefill(prefill_engine, ticket)
 
 
 def tensor_block_copier(src_caches: Sequence[Sequence[torch.Tensor]], dst_caches: Sequence[Sequence[torch.Tensor]]) -> CopyBlocks:

@@ -21,22 +21,39 @@ every in-flight request: each completion finishes with reason ``"error"`` and th
 message in ``RequestOutput.error``, its KV blocks are freed, and the engine refuses new
 requests with :class:`EngineDeadError` until :meth:`LLMEngine.restart` builds a fresh
 runner. Every wait is bounded, so this happens within the runner's timeouts.
+
+A decode engine of a KV handoff admits a prefilled request
+(:meth:`LLMEngine.add_prefilled_request`) as waiting for its KV: the request holds its blocks
+and a running slot while the runner's ``kv`` handle reads the prompt's KV on the ranks' own
+threads (:mod:`~flotilla.cluster.engine.remote_kv`), and every step meanwhile serves the
+others. The step that sees the read ended puts the request in the batch (its first token is
+that step's delta), or applies ``kv_load_failure_policy``. With nothing else to run the step
+waits a few milliseconds for a read instead of spinning.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback
-from flotilla.cluster.engine.dp_scheduler import build_scheduler, can_grow_elastic_ep
-from flotilla.cluster.engine.model_runner import KVCacheLayout, ModelRunner, max_num_seqs_for
+from flotilla.cluster.engine.dp_scheduler import build_scheduler
+from flotilla.cluster.engine.kv_contract import (
+    DEFAULT_KV_READ_TIMEOUT_S,
+    KVHandoffError,
+    KVReader,
+    PrefillTicket,
+    check_policy,
+)
+from flotilla.cluster.engine.model_runner import KVCacheLayout, max_num_seqs_for
 from flotilla.cluster.engine.outputs import CompletionDelta, CompletionOutput, Logprob, RequestOutput, StepLogprobs
 from flotilla.cluster.engine.overlap import PENDING_TOKEN, InflightStep, can_feed
+from flotilla.cluster.engine.remote_kv import IDLE_WAIT_S, RemoteKVReads
 from flotilla.cluster.engine.request import Request, RequestStatus
+from flotilla.cluster.engine.runner_factory import RunnerSpec, build_runner
 from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.engine.schedule_policy import PriorityPolicy
@@ -126,10 +143,13 @@ class LLMEngine:
         source: the model to load.
         tokenizer: an HF tokenizer for detokenization and stop strings; without one,
             completions carry token ids only (``text`` stays empty).
-        runner: a prebuilt :class:`ModelRunner` (built from ``config`` and ``source`` when None).
-        placement: Ray resources that ranks on a worker group need besides their CPU or GPU
-            (``{"ranks": {...}, "joiners": {...}}``, see :func:`build_runner`); also used by
-            :meth:`restart`.
+        runner: a prebuilt runner (built from ``config``, ``source`` and ``runner_spec`` when None).
+        runner_spec: how :func:`~flotilla.cluster.engine.runner_factory.build_runner` builds the
+            runner (where the ranks run, their Ray resources, a KV endpoint to attach); kept for
+            :meth:`restart`. Default: the config decides (:class:`RunnerSpec`).
+        placement: shorthand for ``runner_spec=RunnerSpec.from_placement(placement)``: Ray
+            resources that ranks on a worker group need besides their CPU or GPU
+            (``{"ranks": {...}, "joiners": {...}}``).
         overlap: overlap scheduling (see the module docstring); None: on when the runner
             can launch steps ahead (an in-process runner has ``launch``; a worker group says
             so in ``supports_overlap``), the model runs on CUDA and the config does not set
@@ -142,15 +162,18 @@ class LLMEngine:
         config: ResolvedConfig,
         source: ModelSource,
         tokenizer: Any = None,
-        runner: ModelRunner | None = None,
+        runner: Any = None,
         placement: dict[str, dict[str, float]] | None = None,
         overlap: bool | None = None,
+        runner_spec: RunnerSpec | None = None,
     ):
+        if runner_spec is not None and placement is not None:
+            raise ValueError("give runner_spec or placement, not both (placement is RunnerSpec.from_placement's shorthand)")
         self.config = config
         self.source = source
         self.tokenizer = tokenizer
-        self.placement = dict(placement or {})
-        self.runner = runner or build_runner(config, source, **self.placement)
+        self.runner_spec = runner_spec or RunnerSpec.from_placement(placement)
+        self.runner = runner or build_runner(config, source, self.runner_spec)
         # NOTE: a DPScheduler (one scheduler per DP-attention rank) under DP attention.
         self.scheduler = build_scheduler(config, scheduler_config_for(config, self.runner.kv_layout))
         self.vocab_size = self.runner.vocab_size
@@ -168,6 +191,8 @@ class LLMEngine:
         self.overlap = self._overlap_wanted(overlap)
         # The launched step whose tokens are still on the device (overlap scheduling).
         self._inflight: InflightStep | None = None
+        # KV reads of prefilled requests in flight (decode side of a handoff).
+        self.remote_kv = RemoteKVReads()
 
     def _overlap_wanted(self, overlap: bool | None) -> bool:
         # NOTE: a worker group says itself whether its steps pipeline (GroupRunner.supports_overlap).
@@ -308,7 +333,9 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """Whether stepping still has work: live requests, a launched step, or KV reads in
+        flight (an aborted request's read too: its blocks are freed when it ends)."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self.remote_kv)
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (complete once ``finished``)."""
@@ -335,15 +362,21 @@ class LLMEngine:
         return deltas
 
     def step(self) -> list[CompletionDelta]:
-        """Run one engine step; returns what each completion gained (plus aborts since the last step).
-        With overlap scheduling the gains are those of the step launched by the previous call."""
+        """Run one engine step; returns what each completion gained (plus aborts since the last
+        step, and the first tokens of prefilled requests whose KV read ended). With overlap
+        scheduling the gains are those of the step launched by the previous call. With nothing
+        to run but KV reads in flight it waits up to :data:`~flotilla.cluster.engine.remote_kv.IDLE_WAIT_S`
+        for one to end."""
+        self.observe_kv_reads()
         if self.overlap:
             return self._step_overlapped()
         deltas, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
+            self.remote_kv.wait(IDLE_WAIT_S)
             return deltas
         step = self._schedule(deltas)
         if step is None or step.is_empty:
+            self.remote_kv.wait(IDLE_WAIT_S)
             return deltas
         sampling = [item.request for item in step.scheduled if item.samples]
         rows = [self._sampling_row(self._sequences[r.request_id]) for r in sampling]
@@ -367,6 +400,8 @@ class LLMEngine:
                 deltas += self._resolve_inflight()
             step = self._schedule(deltas) if self.scheduler.has_unfinished() else None
             if step is None or step.is_empty:
+                if self._inflight is None:
+                    self.remote_kv.wait(IDLE_WAIT_S)
                 return deltas + self._resolve_inflight()
             sampling = [item.request for item in step.scheduled if item.samples]
             rows = [self._sampling_row(self._sequences[r.request_id]) for r in sampling]
@@ -449,9 +484,11 @@ class LLMEngine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
-        self.runner = build_runner(self.config, self.source, **self.placement)
+        self.runner = build_runner(self.config, self.source, self.runner_spec)
         self.scheduler = build_scheduler(self.config, scheduler_config_for(self.config, self.runner.kv_layout))
         self._inflight = None
+        # NOTE: reads in flight wrote into the old runner's cache; its peers were its connections.
+        self.remote_kv = RemoteKVReads(self.remote_kv.listener)
         self.dead = None
 
     def commit_elastic_join(self, joiners: Any) -> None:
@@ -564,33 +601,36 @@ class LLMEngine:
 
     def add_prefilled_request(
         self,
-        prompt_token_ids: Sequence[int],
-        first_token: int,
-        src_block_ids: Sequence[int],
-        copy_blocks: Callable[[list[int], list[int]], None],
+        ticket: PrefillTicket,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt: str | None = None,
         stream: bool = False,
         policy: str = "recompute",
         priority: int | None = None,
+        timeout_s: float = DEFAULT_KV_READ_TIMEOUT_S,
+        reader: KVReader | None = None,
     ) -> str:
-        """Queue a request whose prompt was computed by another engine (decode side of a KV
-        handoff); returns its id (``priority`` as in :meth:`add_request`). See :func:`flotilla.cluster.engine.kv_handoff.decode_prefilled`.
+        """Queue a request whose prompt another engine computed (decode side of a KV
+        handoff: ``ticket``); returns its id (``priority`` as in :meth:`add_request`). See
+        :func:`flotilla.cluster.engine.kv_handoff.decode_prefilled`.
 
-        Allocates blocks for the prompt and calls ``copy_blocks(src, dst)`` to fill them from
-        the prefill engine's ``src_block_ids`` (blocks already in the local prefix cache are
-        skipped); then ``first_token`` is the completion's first token (its delta comes with
-        the next :meth:`step`) and the request decodes like any other. When the engine cannot
-        admit it now (other requests waiting, no free blocks) or, under ``policy="recompute"``,
-        ``copy_blocks`` raises, it becomes an ordinary request that computes its prompt here;
-        under ``policy="fail"`` a failed copy raises ``KVHandoffError`` and nothing is queued.
+        The request gets blocks for its prompt and waits for its KV (``WAITING_FOR_REMOTE_KV``)
+        while ``reader`` (the runner's ``kv`` handle when None) reads the ticket's blocks into
+        them, off this thread, bounded by ``timeout_s`` (blocks already in the local prefix
+        cache are not read); the engine steps the other requests meanwhile. The step that sees
+        the read ended puts the request in the batch with the ticket's first token as its
+        first delta. When the read fails, ``policy`` applies: ``"recompute"`` computes the
+        prompt here as an ordinary request, ``"fail"`` finishes it with ``"error"`` (the
+        message in ``RequestOutput.error`` names ``kv_load_failure_policy='fail'``); its blocks
+        are freed either way. When the engine cannot admit it now (other requests waiting, no
+        free slot or blocks) it is an ordinary request from the start. A read that cannot
+        even start (no KV endpoint) raises ``KVHandoffError`` under ``"fail"`` (nothing queued).
         """
-        from flotilla.cluster.engine.kv_handoff import KVHandoffError, check_policy
-
         check_policy(policy)
         _require_handoff_support(self.scheduler)
         params = params or SamplingParams()
+        first_token = ticket.first_token
         if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < self.vocab_size:
             raise ValueError(f"first_token must be a token id in [0, {self.vocab_size}) (got first_token={first_token!r})")
         if params.n != 1 or params.logprobs is not None:
@@ -598,32 +638,66 @@ class LLMEngine:
                 f"a prefilled request takes n=1 and no logprobs (got n={params.n}, logprobs={params.logprobs}); "
                 "send such requests to a colocated engine"
             )
-        src = [int(b) for b in src_block_ids]
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds (got timeout_s={timeout_s!r})")
+        src = [int(b) for b in ticket.block_ids]
+        prompt_token_ids = list(ticket.prompt_token_ids)
         if len(src) < self.scheduler.pool.blocks_for_tokens(len(prompt_token_ids)):
             raise ValueError(
-                f"src_block_ids: {len(src)} blocks cannot hold a {len(prompt_token_ids)}-token prompt "
+                f"block_ids: {len(src)} blocks cannot hold a {len(prompt_token_ids)}-token prompt "
                 f"(block size {self.scheduler.pool.block_size}); pass the prefill engine's blocks of this prompt"
             )
         request_id = self.add_request(prompt_token_ids, params, request_id, prompt, stream, priority=priority)
-        admitted = self.scheduler.admit_prefilled(request_id, first_token)
+        admitted = self.scheduler.admit_prefilled(request_id)
         if admitted is None:
             return request_id
         dst, num_cached = admitted
+        if num_cached == len(dst):  # NOTE: match_prefix leaves the last token's block to fill
+            self._join_batch(request_id, first_token)
+            return request_id
         try:
-            copy_blocks(src[num_cached : len(dst)], dst[num_cached:])
-        except Exception as exc:  # noqa: BLE001 - any copy failure goes through the policy
-            self._forget(request_id)
+            self.remote_kv.start(
+                reader or self.runner.kv, request_id, ticket, src[num_cached : len(dst)], dst[num_cached:], timeout_s, policy
+            )
+        except Exception as exc:  # noqa: BLE001 - a read that cannot start goes through the policy
+            self.scheduler.remote_kv_failed(request_id)
             if policy == "fail":
+                self._forget(request_id)
                 raise KVHandoffError(
-                    f"request {request_id!r}: copying {len(dst) - num_cached} KV blocks failed "
-                    f"({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
+                    f"request {request_id!r}: reading {len(dst) - num_cached} KV blocks from {ticket.peer_id!r} could "
+                    f"not start ({type(exc).__name__}: {exc}); kv_load_failure_policy='fail'"
                 ) from exc
-            return self.add_request(prompt_token_ids, params, request_id, prompt, stream, priority=priority)
-        self.scheduler.commit_prefilled(request_id)
+        return request_id
+
+    def observe_kv_reads(self) -> None:
+        """Look at the KV reads in flight (never waits): a prefilled request whose read ended
+        joins the batch, its first token a delta of :meth:`take_pending` (or of the next
+        :meth:`step`); one whose read failed follows its policy; an aborted one's blocks are
+        freed. :meth:`step` calls it first."""
+        if not self.remote_kv:
+            return
+        for read, outcome in self.remote_kv.ended():
+            request_id = read.request_id
+            if self.scheduler.release_draining(request_id):
+                continue  # NOTE: aborted while its read was in flight
+            if not isinstance(outcome, BaseException):
+                self._join_batch(request_id, read.ticket.first_token)
+                continue
+            self.scheduler.remote_kv_failed(request_id)
+            if read.policy == "fail":
+                reason = (
+                    f"request {request_id!r}: reading {read.num_blocks} KV blocks from {read.ticket.peer_id!r} failed "
+                    f"({type(outcome).__name__}: {outcome}); kv_load_failure_policy='fail'"
+                )
+                self._pending += self._fail_request(request_id, reason)
+
+    def _join_batch(self, request_id: str, first_token: int) -> None:
+        """A prefilled request's KV is in place: it runs from the next step; its first token
+        (the prefill engine's) is a delta now."""
+        self.scheduler.remote_kv_loaded(request_id, first_token)
         delta = self._update(self._sequences[request_id], SampledToken(int(first_token)))
         self._keep_for_stream(delta)
         self._pending.append(delta)
-        return request_id
 
     def _forget(self, request_id: str) -> None:
         """Drop an ``n == 1`` request without a trace (frees its blocks)."""
@@ -693,26 +767,6 @@ def _require_handoff_support(scheduler: Any) -> None:
             f"KV handoff needs a single-pool scheduler ({type(scheduler).__name__} does not support it); "
             "turn DP attention off on prefill/decode engines"
         )
-
-
-def build_runner(
-    config: ResolvedConfig,
-    source: ModelSource,
-    ranks: dict[str, float] | None = None,
-    joiners: dict[str, float] | None = None,
-) -> Any:
-    """The in-process :class:`ModelRunner`, or a Ray worker group when ``tp_size > 1`` or when
-    the group may grow (elastic EP: joining ranks need the running ones in a Ray group).
-
-    ``ranks`` / ``joiners``: Ray resources each rank's bundle (of the group, of elastic EP
-    joiners) needs besides its CPU or GPU, to pin ranks to nodes; an in-process runner runs
-    where its caller does."""
-    if int(config.tp_size or 1) > 1 or can_grow_elastic_ep(config):
-        # NOTE: imported lazily: a single-rank engine never imports Ray.
-        from flotilla.cluster.engine.group_runner import GroupRunner
-
-        return GroupRunner(config, source, rank_resources=ranks, joiner_resources=joiners)
-    return ModelRunner(config, source)
 
 
 def _eos_ids(hf_config: dict, tokenizer: Any) -> frozenset[int]:

@@ -31,7 +31,7 @@ from flotilla.cluster.engine.input_staging import InputStaging, device_index
 from flotilla.cluster.engine.kernel_backends import dsa_backend_for, has_experts, kernel_backends_for, load_kernel_backends
 from flotilla.cluster.engine.kv_cache_dtype import kv_cache_dtype_for
 from flotilla.cluster.engine.limits import DEFAULT_BLOCK_SIZE, block_size_for, max_num_seqs_for
-from flotilla.cluster.kv.port import KVEndpointFactory, KVPort, check_kv_attachable
+from flotilla.cluster.kv.port import KVPort
 from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.overlap import PENDING_TOKEN, TokenFeed
 from flotilla.cluster.engine.sampler import SampledBatch, SampledToken, Sampler, SamplingRow
@@ -209,8 +209,9 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(int(config.random_seed))
         self.sampler = Sampler(generator, backend=self.backends.sampling)
         self._staging = InputStaging(self.device)
-        # This rank's KV endpoint for prefill/decode disaggregation (see kv_attach).
-        self.kv_port = KVPort(self.parallel.tp_rank)
+        # This rank's KV handle for prefill/decode disaggregation: its port, bound to the
+        # cache and head span (runner.kv.attach(factory) builds the endpoint).
+        self.kv = KVPort(self.parallel.tp_rank, self.kv_caches, self.kv_head_span, (self.parallel.dcp_size, self.parallel.dp_size, 1))
         self.graphs: DecodeGraphs | None = None
         # NOTE: no warm-up across ranks: its collectives would need every rank (an elastic EP
         # joiner has no communicators yet); a group's kernels compile on its first step.
@@ -486,7 +487,7 @@ class ModelRunner:
             pages, page_indptr, last_page_len, block_size, max_query_len,
         )
 
-    # -- KV transfer (prefill/decode disaggregation; one rank, the endpoint in this process) --
+    # -- KV transfer (prefill/decode disaggregation): ``self.kv``, this rank's port ----------
 
     def kv_head_span(self) -> tuple[int, int, int]:
         """``(start, count, total)``: the global KV heads this rank's cache holds on axis 2 of
@@ -500,49 +501,9 @@ class ModelRunner:
             )
         return tuple(int(x) for x in span())
 
-    def kv_attach(self, factory: KVEndpointFactory, rank: int | None = None) -> None:
-        """Build this rank's KV endpoint: ``factory(rank, kv_caches, kv_head_span())`` (once,
-        until :meth:`kv_detach`). ``rank`` names the endpoint (a worker's group rank; this
-        runner's TP rank when None). NotImplementedError under DCP or DP attention."""
-        check_kv_attachable(self.parallel.dcp_size, self.parallel.dp_size)
-        if rank is not None and not self.kv_port.attached:
-            self.kv_port.rank = rank
-        self.kv_port.attach(factory, self.kv_caches, self.kv_head_span())
-
-    def kv_metadata(self) -> list[bytes]:
-        """The endpoint's metadata, one entry per rank (one here)."""
-        return [self.kv_port.metadata()]
-
-    def kv_connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
-        """Connect the peer engine ``peer_id`` (its ``kv_metadata()``; idempotent per peer)."""
-        self.kv_port.connect(peer_id, peer_metadata)
-
-    def kv_read(self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float) -> int:
-        """Pull this rank's KV heads of ``peer_id``'s blocks ``src`` into blocks ``dst``
-        (pairwise); returns the bytes moved. KVRankError (naming the rank) on a transfer
-        failure, ValueError on misuse."""
-        # NOTE: the cache tensors are inference tensors; a CPU copy into them needs inference mode.
-        with torch.inference_mode():
-            return self.kv_port.read(peer_id, src, dst, timeout_s)
-
-    def kv_export(self, block_ids: Sequence[int], heads: tuple[int, int] | None = None):
-        """Source side of the Ray fallback: the blocks' bytes (``heads``: global ``[lo, hi)``)."""
-        return self.kv_port.export(block_ids, heads)
-
-    def kv_forget(self, peer_id: str) -> None:
-        self.kv_port.forget(peer_id)
-
-    def kv_set_fail_next_reads(self, n: int) -> None:
-        """Test seam: the next ``n`` reads fail without moving anything."""
-        self.kv_port.set_fail_next_reads(n)
-
-    def kv_detach(self) -> None:
-        """Close the KV endpoint (idempotent)."""
-        self.kv_port.detach()
-
     def shutdown(self) -> None:
-        """Release what outlives a step: the KV endpoint (idempotent)."""
-        self.kv_detach()
+        """Release what outlives a step: the KV endpoint and its thread (idempotent)."""
+        self.kv.detach()
 
 
 def _multi_rank(parallel: ParallelLayout) -> bool:

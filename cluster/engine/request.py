@@ -23,6 +23,9 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = "waiting"  # queued, holds no blocks
+    # admitted with its prompt's KV computed elsewhere: holds its blocks and a running slot
+    # while a read fills them, is not scheduled; joins running once the read completes
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"  # admitted, holds blocks, scheduled every step
     PREEMPTED = "preempted"  # evicted for blocks; queued again, holds no blocks, keeps its outputs
     FINISHED_STOPPED = "finished_stopped"  # stop token / stop string
@@ -73,6 +76,8 @@ class Request:
         num_cached_prompt_tokens: prompt tokens found in the prefix cache at first
             admission (OpenAI usage ``cached_tokens``).
         num_preemptions: how often the request lost its blocks.
+        prefilled: its prompt's KV came from another engine (``Scheduler.admit_prefilled``;
+            reset when that failed or it was preempted: it computes its tokens here).
         status: see :class:`RequestStatus`.
     """
 
@@ -91,6 +96,7 @@ class Request:
     num_committed_blocks: int = field(default=0, init=False)
     num_cached_prompt_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
+    prefilled: bool = field(default=False, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
 
     def __post_init__(self) -> None:

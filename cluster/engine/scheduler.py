@@ -30,6 +30,16 @@ schedules nothing and :attr:`Scheduler.waiting_for_held_blocks` says so: the que
 Only a request that could not run even with the whole pool free is an error
 (:class:`UnschedulableRequestError`, raised for that request alone).
 
+Remote KV is a request state (a decode engine of a KV handoff): :meth:`Scheduler.admit_prefilled`
+gives a waiting request its prompt's blocks and a running slot, and it waits in
+``WAITING_FOR_REMOTE_KV`` (:attr:`Scheduler.loading`) while a read fills them elsewhere; it is
+never scheduled nor preempted meanwhile. :meth:`Scheduler.remote_kv_loaded` then commits its
+prompt blocks to the prefix cache and puts it in ``running`` with its first token (sampled by
+the prefill engine); :meth:`Scheduler.remote_kv_failed` frees its blocks and queues it as an
+ordinary request that computes its prompt here. A loading request that is finished (aborted)
+leaves its blocks referenced ("draining": the read still writes into them) until
+:meth:`Scheduler.release_draining`, once the read has ended.
+
 With a host tier (``num_host_blocks``, ``--enable-hierarchical-cache``) a preempted
 request's committed full blocks are copied to host memory first (``kv_offload``),
 and admission continues the prefix match there after the GPU cache's: the blocks
@@ -217,6 +227,12 @@ class Scheduler:
         self.host_tier = HostKVTier(config.num_host_blocks) if config.num_host_blocks else None
         # Block references kept past their request's end (hold_blocks), by request id.
         self._held: dict[str, list[int]] = {}
+        # Requests waiting for their prompt's KV from elsewhere (admit_prefilled), by id, in
+        # admission order: they hold blocks and a running slot, and are never scheduled.
+        self.loading: dict[str, Request] = {}
+        # Blocks of loading requests finished while their read was in flight, by request id:
+        # the read still writes into them (release_draining frees them).
+        self._draining: dict[str, list[int]] = {}
         # The last schedule() admitted nothing because held blocks fill the pool (see
         # waiting_for_held_blocks); cleared by anything that can change that.
         self._blocked_on_held = False
@@ -232,12 +248,21 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their prompt's KV from elsewhere (``WAITING_FOR_REMOTE_KV``)."""
+        return len(self.loading)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def get(self, request_id: str) -> Request | None:
-        """The live (waiting or running) request with this id, if any."""
+        """The live (waiting, loading or running) request with this id, if any."""
         return self._requests.get(request_id)
+
+    def _slots_used(self) -> int:
+        """Running slots taken: running requests and those loading their KV."""
+        return len(self.running) + len(self.loading)
 
     @property
     def waiting_for_held_blocks(self) -> bool:
@@ -270,6 +295,11 @@ class Scheduler:
         """Queue a new request (last in arrival order)."""
         if request.request_id in self._requests:
             raise ValueError(f"request_id {request.request_id!r} is already live; request ids must be unique")
+        if request.request_id in self._draining:
+            raise ValueError(
+                f"request_id {request.request_id!r} was aborted while its KV read is in flight; use another id "
+                "(or wait for the read to end)"
+            )
         if request.status is not RequestStatus.WAITING or request.block_ids:
             raise ValueError(f"request {request.request_id!r} was already scheduled (status={request.status.name})")
         needed = request.num_prompt_tokens + request.max_tokens
@@ -298,6 +328,10 @@ class Scheduler:
             return False
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.loading[request_id]
+            # NOTE: its read still writes into its blocks: they stay referenced until it ends.
+            self._draining[request_id], request.block_ids = request.block_ids, []
         else:
             self.waiting.remove(request)
         self._release_blocks(request)
@@ -306,7 +340,8 @@ class Scheduler:
         return True
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a waiting or running request; its blocks are free on return."""
+        """Cancel a live request; its blocks are free on return (a loading request's once its
+        read ends: see :meth:`release_draining`)."""
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     # ---- KV handoff (prefill/decode disaggregation) ------------------------------
@@ -346,46 +381,90 @@ class Scheduler:
             self._blocked_on_held = False
         return blocks
 
-    def admit_prefilled(self, request_id: str, first_token: int) -> tuple[list[int], int] | None:
+    def admit_prefilled(self, request_id: str) -> tuple[list[int], int] | None:
         """Admit the waiting request ``request_id`` with its prompt's KV coming from
-        elsewhere (a prefill engine): allocate blocks for the prompt, count the prompt as
-        computed and append ``first_token`` (sampled by the prefill engine) as its first
-        output, so its next step is a decode.
+        elsewhere (a prefill engine): allocate blocks for the prompt and a running slot; the
+        request waits in ``WAITING_FOR_REMOTE_KV`` (not scheduled) until
+        :meth:`remote_kv_loaded` or :meth:`remote_kv_failed`.
 
         Returns ``(block_ids, num_cached_blocks)``: the first ``num_cached_blocks`` came
-        from the local prefix cache and already hold the right KV; the caller must fill
-        the rest, then call :meth:`commit_prefilled` (or :meth:`finish` on failure).
-        Returns None, leaving the request waiting as an ordinary request that will
+        from the local prefix cache and already hold the right KV; the caller has the rest
+        filled. Returns None, leaving the request waiting as an ordinary request that will
         compute its prompt itself, when it cannot be admitted now: it is not the only
-        waiting request (NOTE: admitting it would jump the FCFS queue), the running set
-        is full, or the pool is short of blocks.
+        waiting request (NOTE: admitting it would jump the FCFS queue), every running slot
+        is taken, or the pool is short of blocks.
         """
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise ValueError(f"request_id {request_id!r} is not a fresh waiting request; add() it first")
-        if list(self.waiting) != [request] or len(self.running) >= self.config.max_num_seqs:
+        if list(self.waiting) != [request] or self._slots_used() >= self.config.max_num_seqs:
             return None
-        prompt_len = request.num_prompt_tokens
         cached_blocks, num_cached = self.pool.match_prefix(request.prompt_token_ids, request.block_hashes)
-        needed = self.pool.blocks_for_tokens(prompt_len) - len(cached_blocks)
+        needed = self.pool.blocks_for_tokens(request.num_prompt_tokens) - len(cached_blocks)
         if not self.pool.can_allocate(needed, cached_blocks):
             return None
         self.waiting.popleft()
         self.pool.touch(cached_blocks)
         request.block_ids = cached_blocks + self.pool.allocate(needed)
         request.num_committed_blocks = len(cached_blocks)
-        request.num_computed_tokens = prompt_len
         request.num_cached_prompt_tokens = num_cached
-        self.pool.record_prefix_query(prompt_len, num_cached)
+        request.status, request.prefilled = RequestStatus.WAITING_FOR_REMOTE_KV, True
+        self.loading[request_id] = request
+        return list(request.block_ids), len(cached_blocks)
+
+    def remote_kv_loaded(self, request_id: str, first_token: int) -> Request:
+        """The KV of a loading request is in place: count its prompt as computed, offer its
+        full prompt blocks to the prefix cache, append ``first_token`` (sampled by the
+        prefill engine) as its first output and put it in ``running``: its next step decodes.
+        Returns the request."""
+        request = self._take_loading(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.pool.record_prefix_query(request.num_prompt_tokens, request.num_cached_prompt_tokens)
+        self.pool.commit_full_blocks(request)
         request.append_output_token(int(first_token))
         request.status = RequestStatus.RUNNING
         self._run(request)
-        return list(request.block_ids), len(cached_blocks)
+        return request
 
-    def commit_prefilled(self, request_id: str) -> None:
-        """The KV of an :meth:`admit_prefilled` request is in place: offer its full
-        prompt blocks to the prefix cache."""
-        self.pool.commit_full_blocks(self._requests[request_id])
+    def remote_kv_failed(self, request_id: str) -> Request:
+        """The KV of a loading request could not be read (the read ended): free its blocks and
+        queue it as an ordinary request that computes its prompt here, as the latest arrival
+        (as if it came now: the requests admitted while it loaded keep their place).
+        Returns the request."""
+        request = self._take_loading(request_id)
+        self._release_blocks(request)
+        request.num_cached_prompt_tokens = 0
+        request.status, request.prefilled = RequestStatus.WAITING, False
+        request.arrival_order = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(request)
+        self._blocked_on_held = False
+        return request
+
+    def _take_loading(self, request_id: str) -> Request:
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV")
+        return request
+
+    def is_draining(self, request_id: str) -> bool:
+        """Whether ``request_id`` was finished while loading and its blocks wait for its read to end."""
+        return request_id in self._draining
+
+    def release_draining(self, request_id: str) -> bool:
+        """The read of a request finished while loading has ended: free its blocks. False when
+        none are draining under that id."""
+        blocks = self._draining.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        self._blocked_on_held = False
+        return True
+
+    @property
+    def num_draining_blocks(self) -> int:
+        """Block references of finished requests whose KV read is still in flight."""
+        return sum(len(blocks) for blocks in self._draining.values())
 
     # ---- the step ----------------------------------------------------------------
 
@@ -401,6 +480,9 @@ class Scheduler:
         out.num_batched_tokens = sum(item.num_new_tokens for item in out.scheduled)
         self._blocked_on_held = False
         if out.is_empty and self.waiting and not self.running:
+            if self.loading or self._draining:
+                # NOTE: blocks (or slots) wait for KV reads in flight; each ends within its bound.
+                return out
             if self._held:
                 # NOTE: the pool is short only by held blocks (they belong to no running
                 # request); add()'s bound lets the head fit once they are released.
@@ -442,7 +524,7 @@ class Scheduler:
         """Admit waiting requests in the policy's order until one does not fit."""
         config = self.config
         may_preempt = config.priority is not None and config.priority.preemption
-        if not self.waiting or budget <= 0 or (len(self.running) >= config.max_num_seqs and not may_preempt):
+        if not self.waiting or budget <= 0 or (self._slots_used() >= config.max_num_seqs and not may_preempt):
             return
         order = waiting_order(list(self.waiting), config.policy, self.pool, config.priority, self._rng)
         for admitted, request in enumerate(order):
@@ -462,7 +544,7 @@ class Scheduler:
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
         """Admit ``request`` with a prefill chunk of at most ``budget`` tokens; returns the
         tokens scheduled, or None (nothing changed) when it does not fit now."""
-        if len(self.running) >= self.config.max_num_seqs:
+        if self._slots_used() >= self.config.max_num_seqs:
             return None
         cached_blocks, num_cached = self.pool.match_prefix(request.all_token_ids, request.block_hashes)
         host_keys = self._host_hits(request, len(cached_blocks))
@@ -511,7 +593,7 @@ class Scheduler:
         needed = self.pool.blocks_for_tokens(request.num_tokens)
         free, chosen = self.pool.num_free_blocks, []
         for victim in victims:
-            if free >= needed and len(self.running) - len(chosen) < self.config.max_num_seqs:
+            if free >= needed and self._slots_used() - len(chosen) < self.config.max_num_seqs:
                 break
             chosen.append(victim)
             free += sum(1 for block in victim.block_ids if self.pool.ref_count(block) == 1)
@@ -594,7 +676,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._release_blocks(request)
-        request.status = RequestStatus.PREEMPTED
+        request.status, request.prefilled = RequestStatus.PREEMPTED, False
         request.num_preemptions += 1
         self.num_preemptions += 1
         # NOTE: at its arrival place (the front under fcfs: it arrived before every waiting one).
@@ -619,6 +701,12 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{request} is waiting"
             assert not request.block_ids and request.num_computed_tokens == 0, f"waiting {request} holds blocks"
+        for request_id, request in self.loading.items():
+            assert request.request_id == request_id and request.status is RequestStatus.WAITING_FOR_REMOTE_KV, f"{request}"
+            assert request.num_computed_tokens == 0 and not request.output_token_ids, f"loading {request} computed"
+            assert len(request.block_ids) >= self.pool.blocks_for_tokens(request.num_prompt_tokens), f"{request}"
+            for block in request.block_ids:
+                refs[block] = refs.get(block, 0) + 1
         waiting = [r.arrival_order for r in self.waiting]
         assert waiting == sorted(waiting), f"waiting queue out of arrival order: {waiting}"
         priority = self.config.priority
@@ -626,11 +714,15 @@ class Scheduler:
         running = [key(r) for r in self.running]
         assert running == sorted(running), f"running out of (urgency, arrival) order: {running}"
         if self.config.policy == "fcfs" and priority is None:
-            order = [r.arrival_order for r in self.running] + waiting
+            # NOTE: a prefilled request held its slot from admission, while it loaded: a request
+            # preempted meanwhile may wait behind it.
+            order = [r.arrival_order for r in self.running if not r.prefilled] + waiting
             assert order == sorted(order), f"fcfs: queues out of arrival order: {order}"
-        assert len(self.running) <= self.config.max_num_seqs
-        assert set(self._requests) == {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-        for blocks in self._held.values():
+        assert self._slots_used() <= self.config.max_num_seqs
+        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | set(self.loading)
+        assert set(self._requests) == live and len(live) == len(self.running) + len(self.waiting) + len(self.loading)
+        assert not set(self._draining) & set(self._requests), "a live request id is draining"
+        for blocks in [*self._held.values(), *self._draining.values()]:
             for block in blocks:
                 refs[block] = refs.get(block, 0) + 1
         self.pool.check_invariants(refs)

@@ -6,7 +6,7 @@ travels through Ray), plans which peer rank serves which of this rank's KV heads
 (:func:`plan_head_reads`: each head once, from the lowest-index peer rank holding it) and
 connects those ranks as ``f"{peer_id}/{rank}"``; ``read`` pulls the planned heads of the
 given blocks from each. :class:`KVEndpointFactory` is the picklable recipe the cluster
-side receives (``runner.kv_attach(factory)``) to build one endpoint per rank; ``cluster/``
+side receives (``runner.kv.attach(factory)``) to build one endpoint per rank; ``cluster/``
 holds the endpoint duck-typed and never imports ``serve``.
 
 Transport kinds (:data:`KV_TRANSPORTS`): ``"nixl"`` (NIXL READs over UCX) and ``"ray"`` (the
@@ -220,14 +220,15 @@ class KVEndpointFactory:
         name: unique per engine incarnation (e.g. ``f"{replica_id}-{uuid8}"``); rank
             ``r``'s transport is named ``f"{name}-rank{r}"``.
         backend_params: NIXL UCX backend parameters as ``(key, value)`` pairs.
-        export_method: ``"ray"``: the worker actor's method that serves
-            ``endpoint.export(block_ids, heads)``.
+        export_method: ``"ray"``: the worker actor's dispatching method that serves
+            ``endpoint.export(block_ids, heads)`` when called as ``method("export", block_ids,
+            heads)`` (a worker's ``kv``).
     """
 
     kind: str
     name: str
     backend_params: tuple[tuple[str, str], ...] = ()
-    export_method: str = "kv_export"
+    export_method: str = "kv"
 
     def __post_init__(self) -> None:
         if self.kind not in KV_TRANSPORTS:

@@ -38,8 +38,9 @@ Two transports:
   collide on a port. Set ``UCX_NET_DEVICES=lo`` in the actors' environment to keep UCX on
   loopback.
 - :class:`RayObjectTransport`: the fallback for machines without NIXL: the source's actor
-  serves ``export(block_ids, heads)`` through one of its methods (sliced to the heads
-  before sending) and the destination copies the returned arrays into its head offsets.
+  serves ``export(block_ids, heads)`` through its dispatching method (a worker's
+  ``kv("export", block_ids, heads)``; sliced to the heads before sending) and the
+  destination copies the returned arrays into its head offsets.
 
 Test seam: every transport (and endpoint) has ``fail_next_reads`` (an int, default 0);
 while it is positive the next ``read`` decrements it and raises :class:`KVTransferError`
@@ -581,18 +582,19 @@ class NixlTransport(KVTransport):
 
 class RayObjectTransport(KVTransport):
     """KV transfer through a Ray actor call: the destination calls the source actor's
-    ``export_method(block_ids, heads)``, which must return ``transport.export(block_ids,
-    heads)``.
+    dispatching method as ``export_method("export", block_ids, heads)``, which must return
+    ``transport.export(block_ids, heads)`` (a worker rank's ``kv`` method does).
 
     Args:
         actor_handle: the actor hosting this transport (the source side publishes it in
             ``metadata``); ``None`` means the current actor
             (``ray.get_runtime_context().current_actor``).
-        export_method: name of that actor's method that delegates to :meth:`export`.
+        export_method: name of that actor's dispatching method (called with ``"export"``
+            first) that delegates to :meth:`export`.
         name: this rank's name (for messages).
     """
 
-    def __init__(self, actor_handle=None, export_method: str = "export_kv_blocks", name: str = "ray-kv") -> None:
+    def __init__(self, actor_handle=None, export_method: str = "kv", name: str = "ray-kv") -> None:
         super().__init__(name)
         self._actor = actor_handle
         self._export_method = export_method
@@ -643,8 +645,8 @@ class RayObjectTransport(KVTransport):
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
-            ref = self._sources[peer_name].remote(src, (lo, hi))
-        except Exception as e:  # e.g. an export method without the (block_ids, heads) signature
+            ref = self._sources[peer_name].remote("export", src, (lo, hi))
+        except Exception as e:  # e.g. an export method without the ("export", block_ids, heads) signature
             raise KVTransferError(f"could not call the KV export of {peer_name!r}: {type(e).__name__}: {e}") from None
         try:
             blocks = ray.get(ref, timeout=timeout_s)

@@ -106,14 +106,14 @@ class CacheHolder:
         moved = self.transports[kind, size].read(peer, src, dst, timeout_s, heads=heads)
         return moved, time.perf_counter() - start
 
-    def export_small(self, block_ids: list[int], heads=None) -> list:
-        return self.transports["ray", "small"].export(block_ids, heads)
+    def export_small(self, op: str, block_ids: list[int], heads=None) -> list:
+        return dispatch_export(op, self.transports["ray", "small"], block_ids, heads)
 
-    def export_large(self, block_ids: list[int], heads=None) -> list:
-        return self.transports["ray", "large"].export(block_ids, heads)
+    def export_large(self, op: str, block_ids: list[int], heads=None) -> list:
+        return dispatch_export(op, self.transports["ray", "large"], block_ids, heads)
 
-    def export_head1(self, block_ids: list[int], heads=None) -> list:
-        return self.transports["ray", "head1"].export(block_ids, heads)
+    def export_head1(self, op: str, block_ids: list[int], heads=None) -> list:
+        return dispatch_export(op, self.transports["ray", "head1"], block_ids, heads)
 
     def fail_next_reads(self, kind: str, n: int) -> None:
         self.transports[kind, "small"].fail_next_reads = n
@@ -156,11 +156,18 @@ class CacheHolder:
         ranks = sorted(r for k, r in self.endpoints if k == kind)
         return self.full[kind], [tensors(self.rank_caches[kind, r]) for r in ranks]
 
-    def export_rank0(self, block_ids: list[int], heads=None) -> list:
-        return self.endpoints["ray", 0].export(block_ids, heads)
+    def export_rank0(self, op: str, block_ids: list[int], heads=None) -> list:
+        return dispatch_export(op, self.endpoints["ray", 0], block_ids, heads)
 
-    def export_rank1(self, block_ids: list[int], heads=None) -> list:
-        return self.endpoints["ray", 1].export(block_ids, heads)
+    def export_rank1(self, op: str, block_ids: list[int], heads=None) -> list:
+        return dispatch_export(op, self.endpoints["ray", 1], block_ids, heads)
+
+
+def dispatch_export(op: str, source, block_ids: list[int], heads) -> list:
+    """A dispatching export method, as a worker rank's ``kv(op, ...)`` is: the Ray fallback
+    calls it with ``"export"`` first."""
+    assert op == "export", op
+    return source.export(block_ids, heads)
 
 
 def start_holder(role: str, seed: int, sizes: tuple[str, ...]):

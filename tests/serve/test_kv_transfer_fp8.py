@@ -80,13 +80,15 @@ class Fp8Source:
 
     def __init__(self, seed: int) -> None:
         self.cache = fp8_cache(seed)
-        self.transport = RayObjectTransport(export_method="export")
+        self.transport = RayObjectTransport(export_method="kv")
         self.transport.register(self.cache, HeadSpan(0, 2, 2))
 
     def metadata(self) -> bytes:
         return self.transport.metadata()
 
-    def export(self, block_ids, heads=None):
+    def kv(self, op: str, block_ids, heads=None):
+        """The dispatching method the Ray fallback calls (``"export"`` first), as a worker rank's."""
+        assert op == "export", op
         return self.transport.export(block_ids, heads)
 
     def cache_bytes(self) -> list[torch.Tensor]:

@@ -88,8 +88,10 @@ def request(request_id="r", max_tokens=4) -> GenerateRequest:
 def ticket(req: GenerateRequest) -> PrefillTicket:
     chunk = GenerateChunk(req.request_id, [CompletionChunk(0, [7], "x")])
     return PrefillTicket(
-        req.request_id, f"{req.request_id}~0", "p0", "peer", [], req.prompt_token_ids, 7, [0], "length", chunk, 30.0
-    )
+        request_id=req.request_id, prefill_request_id=f"{req.request_id}~0", prompt_token_ids=req.prompt_token_ids,
+        first_token=7, block_ids=[0], finish_reason="length", replica_id="p0", peer_id="peer", peer_metadata=[],
+        lease_s=30.0, chunk=chunk,
+    )  # fmt: skip
 
 
 def chunk(req: GenerateRequest, token: int, finished=False) -> GenerateChunk:

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import flotilla.serve.async_engine as async_engine_module
-from flotilla.cluster.engine.kv_handoff import KVHandoffError
+from flotilla.cluster.engine.kv_contract import KVHandoffError
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.models.sources import resolve_model_source
@@ -260,22 +260,29 @@ def test_a_failed_read_is_recomputed_or_fails_clearly_and_leaks_nothing(pd, orac
         await decode.kv_set_fail_next_reads(1)
         _, recomputed = await handoff(prefill, decode, request(prompts[0], request_id="rc"))
         await assert_no_blocks_held(prefill, decode)
-        # fail: a clear error before any chunk; nothing queued on the decode side.
+        # fail: one final chunk with the error, before any token (the ingress answers 503).
         await decode.kv_set_fail_next_reads(1)
         req = request(prompts[1], request_id="fl")
         ticket = await prefill.prefill(req)
-        seen = []
-        with pytest.raises(KVHandoffError, match="kv_load_failure_policy='fail'") as info:
-            async for chunk in decode.engine.generate_prefilled(req, ticket, "fail", 10.0):
+        seen = [chunk async for chunk in decode.engine.generate_prefilled(req, ticket, "fail", 10.0)]
+        assert len(seen) == 1 and seen[0].finished and joined_tokens(seen) == []
+        assert [c.finish_reason for c in seen[0].completions] == ["error"]
+        assert "kv_load_failure_policy='fail'" in seen[0].error and "injected KV transfer failure" in seen[0].error
+        assert await prefill.release_kv(ReplicaPin("p0"), ticket.prefill_request_id)
+        # A ticket too old for its lease is not read; under fail that is an error before any chunk.
+        stale = GenerateRequest("old", prompts[1], GREEDY, time.time() - 0.95 * LEASE_S)
+        ticket = await prefill.prefill(stale)
+        with pytest.raises(KVHandoffError, match="lease on its KV blocks may have ended.*kv_load_failure_policy='fail'"):
+            async for chunk in decode.engine.generate_prefilled(stale, ticket, "fail", 10.0):
                 seen.append(chunk)
-        assert seen == [] and "injected KV transfer failure" in str(info.value)
+        assert len(seen) == 1
         assert await prefill.release_kv(ReplicaPin("p0"), ticket.prefill_request_id)
         await assert_no_blocks_held(prefill, decode)
         return recomputed
 
     recomputed = asyncio.run(main())
     assert joined_tokens(recomputed) == oracle(prompts[0]) and recomputed[-1].error is None
-    assert metric(decode, "flotilla:kv_transfer_failures_total") - failures_before == 2
+    assert metric(decode, "flotilla:kv_transfer_failures_total") - failures_before == 3
     assert not decode.engine.engine.has_unfinished_requests()
 
 

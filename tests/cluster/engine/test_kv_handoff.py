@@ -1,6 +1,8 @@
 """Prefill/decode KV handoff between two in-process engines (no Ray): the decode
 engine's greedy tokens equal a colocated engine's, the prefill engine's blocks are
-freed after the copy, and a failed copy is recomputed or raised without leaking blocks.
+freed after the copy, and a failed copy is recomputed or fails its request without leaking
+blocks. The decode side's remote-KV state (``WAITING_FOR_REMOTE_KV``) is checked with fake
+blocks at the end, and with a read that the test ends by hand (:class:`HeldRead`).
 
 Exact token equality needs no tolerance: the tiny Llama's logits are spread far above
 float32 summation noise (see ``save_tiny_llama``), and the copied KV is bit-identical to
@@ -8,11 +10,12 @@ what the colocated engine computes (the same model and kernels on the same devic
 """
 
 import uuid
+from concurrent.futures import Future
 
 import pytest
 
+from flotilla.cluster.engine.kv_contract import KVHandoffError, PrefillTicket
 from flotilla.cluster.engine.kv_handoff import (
-    KVHandoffError,
     decode_prefilled,
     handoff,
     prefill,
@@ -181,16 +184,37 @@ def test_a_failed_copy_is_recomputed_under_the_recompute_policy(engines):
     assert [counts for counts in steps if counts != [1]] == [[len(p)] for p in prompts]
 
 
-def test_a_failed_copy_raises_under_the_fail_policy_and_leaks_nothing(engines):
+def test_a_failed_copy_fails_the_request_under_the_fail_policy_and_leaks_nothing(engines):
     path, prompts, _ = engines
     prefiller, decoder = make_engine(path), make_engine(path)
     for prompt in prompts:
-        with pytest.raises(KVHandoffError, match="OSError: link down.*'fail'"):
-            handoff(prefiller, decoder, prompt, failing_copy, GREEDY, request_id="r", policy="fail")
+        _, decode_id = handoff(prefiller, decoder, prompt, failing_copy, GREEDY, request_id="r", policy="fail")
+        # NOTE: the read ended (failed) inside handoff: the request finished with an error.
+        output = decoder.pop_output(decode_id)
+        assert output.outputs[0].finish_reason == "error" and output.outputs[0].token_ids == []
+        assert "OSError: link down" in output.error and "kv_load_failure_policy='fail'" in output.error
         assert_no_leaks(prefiller)
         assert_no_leaks(decoder)
     # The failed id is free for reuse on both sides.
     assert finish(decoder, decoder.add_request(prompts[0], GREEDY, request_id="r"))
+
+
+def test_a_read_that_cannot_start_raises_under_the_fail_policy(engines):
+    """No KV endpoint on the decode runner: its ``kv`` handle refuses to start the read, and
+    under ``fail`` nothing is queued."""
+    path, prompts, _ = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    ticket = prefill(prefiller, prompts[1], GREEDY)
+    try:
+        with pytest.raises(KVHandoffError, match="could not start.*no KV endpoint attached.*'fail'"):
+            decoder.add_prefilled_request(ticket, GREEDY, request_id="x", policy="fail")
+        assert_no_leaks(decoder)
+        # Under recompute the request computes its prompt here.
+        decode_id = decoder.add_prefilled_request(ticket, GREEDY, policy="recompute")
+        assert len(finish(decoder, decode_id)) == GREEDY.max_tokens
+    finally:
+        release_prefill(prefiller, ticket)
+    assert_no_leaks(decoder)
 
 
 def test_a_busy_decode_engine_computes_the_prompt_itself(engines):
@@ -225,12 +249,13 @@ def test_a_streamed_handoff_yields_the_first_token_then_the_decode(engines):
 def test_prefill_keeps_blocks_until_released(engines):
     path, prompts, _ = engines
     prefiller = make_engine(path)
-    result = prefill(prefiller, prompts[1], GREEDY)
-    assert prefiller.scheduler.pool.num_used_blocks == len(result.block_ids) == 2
-    assert prefiller.held_kv_blocks(result.request_id) == result.block_ids
+    ticket = prefill(prefiller, prompts[1], GREEDY)
+    assert ticket.prompt_token_ids == prompts[1] and ticket.finish_reason == "length"
+    assert prefiller.scheduler.pool.num_used_blocks == len(ticket.block_ids) == 2
+    assert prefiller.held_kv_blocks(ticket.prefill_request_id) == ticket.block_ids
     prefiller.scheduler.check_invariants()
-    assert release_prefill(prefiller, result) and not release_prefill(prefiller, result)
-    assert prefiller.held_kv_blocks(result.request_id) is None
+    assert release_prefill(prefiller, ticket) and not release_prefill(prefiller, ticket)
+    assert prefiller.held_kv_blocks(ticket.prefill_request_id) is None
     assert_no_leaks(prefiller)
 
 
@@ -248,19 +273,123 @@ def test_a_prefill_that_only_held_blocks_keep_out_raises_instead_of_looping(engi
     assert prefill(prefiller, [9] * 40, GREEDY).block_ids
 
 
+def ticket_of(prompt, first_token=5, blocks=(0,)) -> PrefillTicket:
+    return PrefillTicket("t", "t", list(prompt), first_token, list(blocks), "length")
+
+
 def test_bad_handoff_arguments_are_refused(engines):
     path, prompts, _ = engines
     decoder = make_engine(path)
     with pytest.raises(ValueError, match="policy"):
-        decoder.add_prefilled_request(prompts[0], 5, [0], failing_copy, GREEDY, policy="retry")
+        decoder.add_prefilled_request(ticket_of(prompts[0]), GREEDY, policy="retry")
     with pytest.raises(ValueError, match="first_token"):
-        decoder.add_prefilled_request(prompts[0], 999, [0], failing_copy, GREEDY)
+        decoder.add_prefilled_request(ticket_of(prompts[0], first_token=999), GREEDY)
     with pytest.raises(NotImplementedError, match="n=1"):
-        decoder.add_prefilled_request(prompts[0], 5, [0], failing_copy, SamplingParams(n=2, max_tokens=4))
-    with pytest.raises(ValueError, match="src_block_ids: 2 blocks"):
-        decoder.add_prefilled_request(prompts[2], 5, [0, 1], failing_copy, GREEDY)
+        decoder.add_prefilled_request(ticket_of(prompts[0]), SamplingParams(n=2, max_tokens=4))
+    with pytest.raises(ValueError, match="block_ids: 2 blocks"):
+        decoder.add_prefilled_request(ticket_of(prompts[2], blocks=(0, 1)), GREEDY)
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        decoder.add_prefilled_request(ticket_of(prompts[0]), GREEDY, timeout_s=0)
     with pytest.raises(ValueError, match="hold_kv=True needs n=1"):
         decoder.add_request(prompts[0], SamplingParams(n=2, max_tokens=1), hold_kv=True)
+    assert_no_leaks(decoder)
+
+
+class HeldRead:
+    """A reader whose reads end when the test says: ``finish(i)`` copies read ``i``'s blocks
+    (through ``copy``) and completes it, ``fail(i)`` fails it."""
+
+    def __init__(self, copy):
+        self.copy, self.reads = copy, []
+
+    def start_read(self, peer_id, src, dst, timeout_s, connect_with=None):
+        self.reads.append((list(src), list(dst), Future()))
+        return self.reads[-1][2]
+
+    def forget(self, peer_id):
+        pass
+
+    def finish(self, index=-1):
+        src, dst, future = self.reads[index]
+        self.copy(src, dst)
+        future.set_result(len(dst))
+
+    def fail(self, index=-1):
+        self.reads[index][2].set_exception(OSError("link down"))
+
+
+def test_a_decode_engine_steps_other_requests_while_a_read_is_in_flight(engines):
+    """Remote KV is a request state: while its read is in flight the prefilled request holds
+    its blocks and waits, unscheduled; the other request decodes every step; the step that
+    sees the read done puts it in the batch, its first token that step's first delta."""
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    reader = HeldRead(tensor_block_copier(prefiller.runner.kv_caches, decoder.runner.kv_caches))
+    steps = record_steps(decoder)
+    other = decoder.add_request(prompts[0], GREEDY)
+    decoder.step()  # the other request's prompt
+    ticket = prefill(prefiller, prompts[2], GREEDY)
+    # NOTE: the FCFS rule lets a prefilled request in only as the sole waiting one.
+    decode_id = decoder.add_prefilled_request(ticket, GREEDY, reader=reader, stream=True)
+    request = decoder.scheduler.get(decode_id)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV and len(request.block_ids) == 3
+    assert decoder.scheduler.num_loading == 1 and decoder.scheduler.num_running == 1
+    for _ in range(3):
+        deltas = decoder.step()
+        assert [d.request_id for d in deltas] == [other]
+        decoder.scheduler.check_invariants()
+    assert steps[-3:] == [[1], [1], [1]]
+    reader.finish()
+    release_prefill(prefiller, ticket)
+    deltas = decoder.step()
+    assert (deltas[0].request_id, deltas[0].token_ids) == (decode_id, [expected[2][0]])
+    assert steps[-1] == [1, 1]  # both decode in the step that saw the read done
+    assert finish(decoder, decode_id) == expected[2]
+    assert finish(decoder, other) == expected[0]
+    assert_no_leaks(decoder)
+
+
+def test_an_abort_during_the_read_frees_the_blocks_only_when_the_read_ends(engines):
+    path, prompts, _ = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    writes = []
+    reader = HeldRead(lambda src, dst: writes.append(dst))
+    ticket = prefill(prefiller, prompts[2], GREEDY)
+    decode_id = decoder.add_prefilled_request(ticket, GREEDY, reader=reader)
+    blocks = list(decoder.scheduler.get(decode_id).block_ids)
+    assert decoder.abort(decode_id)
+    assert decoder.pop_output(decode_id).outputs[0].finish_reason == "abort"
+    # The read still writes into the blocks: they stay referenced (draining), and the engine
+    # keeps stepping until the read ended.
+    decoder.step()
+    assert decoder.scheduler.pool.num_used_blocks == len(blocks) and decoder.scheduler.num_draining_blocks == 3
+    assert decoder.has_unfinished_requests()
+    decoder.scheduler.check_invariants()
+    with pytest.raises(ValueError, match="aborted while its KV read is in flight"):
+        decoder.add_request(prompts[0], GREEDY, request_id=decode_id)
+    reader.finish()
+    decoder.step()
+    assert writes == [blocks]
+    assert_no_leaks(decoder)
+    release_prefill(prefiller, ticket)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_read_that_fails_later_follows_the_policy(engines, policy):
+    path, prompts, expected = engines
+    prefiller, decoder = make_engine(path), make_engine(path)
+    reader = HeldRead(lambda src, dst: None)
+    ticket = prefill(prefiller, prompts[1], GREEDY)
+    decode_id = decoder.add_prefilled_request(ticket, GREEDY, reader=reader, policy=policy)
+    decoder.step()
+    reader.fail()
+    release_prefill(prefiller, ticket)
+    if policy == "recompute":
+        assert finish(decoder, decode_id) == expected[1]
+    else:
+        decoder.step()
+        output = decoder.pop_output(decode_id)
+        assert output.outputs[0].finish_reason == "error" and "OSError: link down" in output.error
     assert_no_leaks(decoder)
 
 
@@ -286,21 +415,26 @@ def test_scheduler_hold_and_release_keep_reference_counts_right():
     scheduler.check_invariants()
 
 
-def test_scheduler_admit_prefilled_counts_the_prompt_as_computed():
+def test_scheduler_admit_prefilled_waits_for_the_kv_then_counts_the_prompt_as_computed():
     scheduler = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
     scheduler.add(Request("a", list(range(10)), max_tokens=4))
-    blocks, num_cached = scheduler.admit_prefilled("a", 7)
+    blocks, num_cached = scheduler.admit_prefilled("a")
     request = scheduler.get("a")
     assert (len(blocks), num_cached) == (3, 0)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV and request.num_computed_tokens == 0
+    assert scheduler.schedule().is_empty  # not scheduled while its KV is read
+    scheduler.check_invariants()
+    scheduler.remote_kv_loaded("a", 7)
     assert request.num_computed_tokens == 10 and request.output_token_ids == [7]
-    scheduler.commit_prefilled("a")
     step = scheduler.schedule()
     assert [(s.num_new_tokens, s.start_position) for s in step.scheduled] == [(1, 10)]
     scheduler.check_invariants()
     # A second request waits behind a waiting one: not admitted, stays an ordinary request.
     scheduler.add(Request("b", [1, 2], max_tokens=1))
     scheduler.add(Request("c", [3, 4], max_tokens=1))
-    assert scheduler.admit_prefilled("c", 5) is None and scheduler.get("c").status is RequestStatus.WAITING
+    assert scheduler.admit_prefilled("c") is None and scheduler.get("c").status is RequestStatus.WAITING
     with pytest.raises(ValueError, match="fresh waiting request"):
-        scheduler.admit_prefilled("a", 7)
+        scheduler.admit_prefilled("a")
+    with pytest.raises(ValueError, match="not waiting for remote KV"):
+        scheduler.remote_kv_loaded("b", 1)
     scheduler.check_invariants()

@@ -1,10 +1,12 @@
-"""The runner KV protocol (``kv_attach`` / ``kv_metadata`` / ``kv_connect`` / ``kv_read`` / ...)
-on the in-process ModelRunner and on GroupRunner worker groups (real Ray actors on loopback,
-real NIXL over UCX and the Ray-object fallback, tiny random Llamas).
+"""The runner's KV handle (``runner.kv``: ``attach`` / ``metadata`` / ``connect`` /
+``start_read`` / ``read`` / ...) on the in-process ModelRunner (the rank's port) and on
+GroupRunner worker groups (a fan-out over the ranks' ports; real Ray actors on loopback, real
+NIXL over UCX and the Ray-object fallback, tiny random Llamas).
 
-Each handoff prefills a prompt on one engine (``hold_kv``), reads its KV blocks into another
-engine's cache through ``runner.kv_read`` under ``policy="fail"`` (a failed read raises, it is
-never silently recomputed) and decodes there: the greedy tokens must equal a colocated
+Each handoff prefills a prompt on one engine (``hold_kv``), has the decode engine read its KV
+blocks into its own cache through ``runner.kv`` (the read runs on the ranks' port threads, the
+engine observes it between steps) under ``policy="fail"`` (a failed read fails the request, it
+is never silently recomputed) and decodes there: the greedy tokens must equal a colocated
 engine's, and the bytes read must be exactly the decode ranks' KV heads of the copied blocks.
 Heterogeneous TP: a tp=1 rank holds both KV heads of the GQA model and a tp=2 rank one, so a
 tp=1 -> tp=2 read takes one head of the peer's two, and tp=2 -> tp=1 gathers one head from each
@@ -14,6 +16,7 @@ Exact token equality needs no tolerance: the tiny models' logits are spread far 
 float32 summation noise (see ``save_tiny_llama``), sharded reductions included.
 """
 
+import dataclasses
 import time
 import uuid
 from contextlib import contextmanager
@@ -23,7 +26,7 @@ import ray
 
 from flotilla.cluster.distributed import Communicator
 from flotilla.cluster.engine.group_runner import GroupRunner
-from flotilla.cluster.engine.kv_handoff import KVHandoffError, decode_prefilled, handoff, prefill, release_prefill
+from flotilla.cluster.engine.kv_handoff import decode_prefilled, prefill, release_prefill
 from flotilla.cluster.kv.port import KVRankError, check_kv_attachable
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.model_runner import ModelRunner
@@ -95,24 +98,54 @@ def attached(kind, *engines):
     names = [f"{kind}-{i}-{tag}" for i in range(len(engines))]
     try:
         for engine, name in zip(engines, names):
-            engine.runner.kv_attach(KVEndpointFactory(kind, name))
+            engine.runner.kv.attach(KVEndpointFactory(kind, name))
         yield names
     finally:
         for engine in engines:
-            engine.runner.kv_detach()
+            engine.runner.kv.detach()
+
+
+class Reads:
+    """The decode engine's KVReadListener: what each read moved, or how it failed."""
+
+    def __init__(self):
+        self.done, self.failed = [], []
+
+    def kv_read_done(self, peer_id, num_blocks, num_bytes, seconds):
+        self.done.append((num_blocks, num_bytes))
+
+    def kv_read_failed(self, peer_id, num_blocks, error):
+        self.failed.append(error)
+
+
+def ticket_for(prefiller, prefill_id, prompt):
+    """Prefill ``prompt``; its ticket names the prefill engine's KV peer and metadata."""
+    ticket = prefill(prefiller, prompt, GREEDY)
+    return dataclasses.replace(ticket, peer_id=prefill_id, peer_metadata=prefiller.runner.kv.metadata())
+
+
+def read_into(decoder, ticket, policy="fail") -> str:
+    """Queue ``ticket`` on ``decoder``, its KV read by ``decoder.runner.kv``, and step until
+    the read ended; returns the decode request's id."""
+    decode_id = decode_prefilled(decoder, ticket, decoder.runner.kv, GREEDY, policy=policy, timeout_s=READ_TIMEOUT_S)
+    deadline = time.monotonic() + 2 * READ_TIMEOUT_S
+    while decode_id in decoder.remote_kv:
+        assert time.monotonic() < deadline, "the read never ended"
+        decoder.step()
+    return decode_id
 
 
 def hand_off(prefiller, prefill_id, decoder, prompt, policy="fail"):
-    """Prefill ``prompt`` on ``prefiller``, read its blocks into ``decoder`` with
-    ``decoder.runner.kv_read`` and decode; returns ``(tokens, [(blocks, bytes) per read])``."""
-    decoder.runner.kv_connect(prefill_id, prefiller.runner.kv_metadata())
-    reads = []
-
-    def copy(src, dst):
-        reads.append((len(dst), decoder.runner.kv_read(prefill_id, src, dst, READ_TIMEOUT_S)))
-
-    _, decode_id = handoff(prefiller, decoder, prompt, copy, GREEDY, policy=policy)
-    return finish(decoder, decode_id), reads
+    """Prefill ``prompt`` on ``prefiller``, read its blocks into ``decoder`` (connecting the
+    peer with the first read) and decode; returns ``(tokens, [(blocks, bytes) per read])``."""
+    reads = decoder.remote_kv.listener = Reads()
+    ticket = ticket_for(prefiller, prefill_id, prompt)
+    try:
+        decode_id = read_into(decoder, ticket, policy)
+    finally:
+        release_prefill(prefiller, ticket)
+    assert reads.failed == []
+    return finish(decoder, decode_id), reads.done
 
 
 def assert_handoffs_match(prefiller, prefill_id, decoder, prompts, expected):
@@ -204,7 +237,7 @@ def test_in_process_runners_hand_off_through_nixl(gqa):
     prompts = random_prompts(PROMPT_LENS, 256, seed=11)
     prefiller, decoder = make_engine(path), make_engine(path)
     with attached("nixl", prefiller, decoder) as (prefill_id, _):
-        assert len(prefiller.runner.kv_metadata()) == 1
+        assert len(prefiller.runner.kv.metadata()) == 1
         assert_handoffs_match(prefiller, prefill_id, decoder, prompts, reference(prompts))
     prefiller.runner.shutdown()
     decoder.runner.shutdown()
@@ -219,7 +252,7 @@ def test_group_runners_hand_off_across_tp_sizes(groups, gqa, kind):
     seed = 20 if kind == "nixl" else 30
     down, up = random_prompts(PROMPT_LENS, 256, seed=seed), random_prompts(PROMPT_LENS, 256, seed=seed + 1)
     with attached(kind, tp2, tp1) as (tp2_id, tp1_id):
-        assert len(tp2.runner.kv_metadata()) == 2 and len(tp1.runner.kv_metadata()) == 1
+        assert len(tp2.runner.kv.metadata()) == 2 and len(tp1.runner.kv.metadata()) == 1
         # tp=2 -> tp=1: the one decode rank gathers head 0 from rank 0 and head 1 from rank 1.
         assert_handoffs_match(tp2, tp2_id, tp1, down, reference(down))
         # tp=1 -> tp=2: each decode rank takes its own head of the one prefill rank's two.
@@ -250,54 +283,78 @@ def test_a_failed_read_names_the_rank_and_leaves_the_group_working(groups, gqa):
     prompts = random_prompts(PROMPT_LENS, 256, seed=51)
     expected = reference(prompts)
     with attached("nixl", tp1, tp2) as (tp1_id, _):
-        tp2.runner.kv_connect(tp1_id, tp1.runner.kv_metadata())
-
-        def copy(src, dst):
-            tp2.runner.kv_read(tp1_id, src, dst, READ_TIMEOUT_S)
-
-        # Only rank 1 fails its next read: the error names it; rank 0 read fine.
-        ray.get(tp2.runner.group.actors[1].kv_set_fail_next_reads.remote(1), timeout=30)
-        result = prefill(tp1, prompts[2], GREEDY)
-        with pytest.raises(KVHandoffError, match=r"KVRankError: KV transfer on rank 1 failed: .*injected"):
-            decode_prefilled(tp2, result, copy, GREEDY, policy="fail")
+        reads = tp2.remote_kv.listener = Reads()
+        # Only rank 1 fails its next read: the request fails naming it; rank 0 read fine.
+        ray.get(tp2.runner.group.actors[1].kv.remote("set_fail_next_reads", 1), timeout=30)
+        ticket = ticket_for(tp1, tp1_id, prompts[2])
+        failed = tp2.pop_output(read_into(tp2, ticket, policy="fail"))
+        assert failed.outputs[0].finish_reason == "error" and "kv_load_failure_policy='fail'" in failed.error
+        assert "KVRankError: KV transfer on rank 1 failed: " in failed.error and "injected" in failed.error
         assert tp2.runner.group._error is None and tp2.scheduler.pool.num_used_blocks == 0
         # The same held blocks are read again, and the group decodes on.
-        assert finish(tp2, decode_prefilled(tp2, result, copy, GREEDY, policy="fail")) == expected[2]
-        release_prefill(tp1, result)
+        assert finish(tp2, read_into(tp2, ticket, policy="fail")) == expected[2]
+        release_prefill(tp1, ticket)
+        assert len(reads.failed) == 1 and len(reads.done) == 1
 
-        # The runner's seam fails every rank's next read; under "recompute" the prompt is computed here.
-        tp2.runner.kv_set_fail_next_reads(1)
-        result = prefill(tp1, prompts[1], GREEDY)
+        # The handle's seam fails every rank's next read; under "recompute" the prompt is computed here.
+        tp2.runner.kv.set_fail_next_reads(1)
+        ticket = ticket_for(tp1, tp1_id, prompts[1])
         with pytest.raises(KVRankError, match="rank 0.*injected"):  # the lowest failing rank is named
-            copy(result.block_ids, list(range(len(result.block_ids))))  # (moves nothing: injected)
-        tp2.runner.kv_set_fail_next_reads(1)
-        assert finish(tp2, decode_prefilled(tp2, result, copy, GREEDY, policy="recompute")) == expected[1]
-        release_prefill(tp1, result)
+            tp2.runner.kv.read(tp1_id, ticket.block_ids, list(range(len(ticket.block_ids))), READ_TIMEOUT_S)
+        tp2.runner.kv.set_fail_next_reads(1)
+        assert finish(tp2, read_into(tp2, ticket, policy="recompute")) == expected[1]
+        release_prefill(tp1, ticket)
 
         # An unknown peer is each rank's KV error too, not a broken group.
         with pytest.raises(KVRankError, match="rank 0.*nobody"):
-            tp2.runner.kv_read("nobody", [0], [0], READ_TIMEOUT_S)
+            tp2.runner.kv.read("nobody", [0], [0], READ_TIMEOUT_S)
         assert finish(tp2, tp2.add_request(prompts[0], GREEDY)) == expected[0]
         assert tp2.runner.group._error is None and tp2.dead is None
+
+
+def test_a_group_steps_while_its_ranks_read(groups, gqa):
+    """The ranks read on their ports' threads and answer at once: a read that takes 1.5 s
+    (the delay seam) holds up none of the group's steps meanwhile."""
+    tp2, tp1 = groups
+    prompts = random_prompts([40, 9], 256, seed=61)
+    expected = gqa[1](prompts)
+    with attached("nixl", tp1, tp2) as (tp1_id, _):
+        ticket = ticket_for(tp1, tp1_id, prompts[0])
+        other = tp2.add_request(prompts[1], GREEDY)
+        tp2.step()
+        tp2.runner.kv.set_delay_next_reads(1.5)
+        started = time.monotonic()
+        decode_id = decode_prefilled(tp2, ticket, tp2.runner.kv, GREEDY, policy="fail", timeout_s=READ_TIMEOUT_S)
+        assert time.monotonic() - started < 1.0  # start_read returned without waiting for the read
+        longest, steps = 0.0, 0
+        while decode_id in tp2.remote_kv:
+            before = time.monotonic()
+            tp2.step()
+            longest, steps = max(longest, time.monotonic() - before), steps + 1
+        took = time.monotonic() - started
+        release_prefill(tp1, ticket)
+        assert took >= 1.5 and steps >= 5 and longest < 0.5, (took, steps, longest)
+        assert finish(tp2, decode_id) == expected[0] and finish(tp2, other) == expected[1]
+    assert tp2.scheduler.pool.num_used_blocks == 0
 
 
 def test_a_dead_rank_breaks_the_group(ray_cluster, gqa):
     engine = make_engine(gqa[0], tp_size=1)
     runner = engine.runner
     try:
-        runner.kv_attach(KVEndpointFactory("nixl", f"dead-{uuid.uuid4().hex[:8]}"))
+        runner.kv.attach(KVEndpointFactory("nixl", f"dead-{uuid.uuid4().hex[:8]}"))
         with pytest.raises(RuntimeError, match="already attached"):
-            runner.kv_attach(KVEndpointFactory("nixl", f"again-{uuid.uuid4().hex[:8]}"))
-        assert len(runner.kv_metadata()) == 1  # the first endpoints are untouched
+            runner.kv.attach(KVEndpointFactory("nixl", f"again-{uuid.uuid4().hex[:8]}"))
+        assert len(runner.kv.metadata()) == 1  # the first endpoints are untouched
         ray.kill(runner.group.actors[0], no_restart=True)
         # NOTE: ray.kill returns before the actor is gone; a call may still be served meanwhile.
         deadline = time.monotonic() + 30
         with pytest.raises(WorkerGroupError, match="rank 0 failed: its actor died"):
             while time.monotonic() < deadline:
-                runner.kv_metadata()
+                runner.kv.set_fail_next_reads(0)
         # Broken for good: every later call raises the same error, the engine fails its step.
         with pytest.raises(WorkerGroupError, match="rank 0"):
-            runner.kv_read("x", [0], [0], READ_TIMEOUT_S)
+            runner.kv.read("x", [0], [0], READ_TIMEOUT_S)
         request_id = engine.add_request([5, 6, 7], GREEDY)
         engine.step()
         assert engine.dead is not None and engine.get_output(request_id).outputs[0].finish_reason == "error"
@@ -320,32 +377,60 @@ def test_kv_attach_refuses_layouts_it_cannot_serve(gqa, tmp_path):
     source = resolve_model_source(gqa[0])
     dp_runner = ModelRunner(resolved(source), source, pack_weights=False, parallel=ParallelLayout(dp_size=2))
     with pytest.raises(NotImplementedError, match="DP attention"):
-        dp_runner.kv_attach(factory)
-    assert not dp_runner.kv_port.attached
+        dp_runner.kv.attach(factory)
+    assert not dp_runner.kv.attached
 
     save_tiny_deepseek_v2(tmp_path)
     source = resolve_model_source(str(tmp_path))
     layout = ParallelLayout(tp_size=2, dcp_size=2, comms={"dcp": Communicator.single()})
     dcp_runner = ModelRunner(resolved(source, tp_size=2, dcp_size=2), source, pack_weights=False, parallel=layout)
     with pytest.raises(NotImplementedError, match="decode context parallelism.*dcp_size=2"):
-        dcp_runner.kv_attach(factory)
-    assert not dcp_runner.kv_port.attached
+        dcp_runner.kv.attach(factory)
+    assert not dcp_runner.kv.attached
 
 
 def test_kv_attach_once_and_shutdown_closes_the_endpoint(gqa):
     runner = make_engine(gqa[0]).runner
-    with pytest.raises(RuntimeError, match="rank 0: no KV endpoint attached; call kv_attach"):
-        runner.kv_read("peer", [0], [0], READ_TIMEOUT_S)
-    runner.kv_attach(KVEndpointFactory("nixl", f"once-{uuid.uuid4().hex[:8]}"))
+    with pytest.raises(RuntimeError, match="rank 0: no KV endpoint attached; call kv.attach"):
+        runner.kv.read("peer", [0], [0], READ_TIMEOUT_S)
+    runner.kv.attach(KVEndpointFactory("nixl", f"once-{uuid.uuid4().hex[:8]}"))
     with pytest.raises(RuntimeError, match="already attached"):
-        runner.kv_attach(KVEndpointFactory("nixl", f"twice-{uuid.uuid4().hex[:8]}"))
+        runner.kv.attach(KVEndpointFactory("nixl", f"twice-{uuid.uuid4().hex[:8]}"))
     with pytest.raises(ValueError, match="n must be a non-negative int"):
-        runner.kv_set_fail_next_reads(-1)
-    assert runner.kv_metadata()[0]
+        runner.kv.set_fail_next_reads(-1)
+    with pytest.raises(ValueError, match="seconds must be a non-negative number"):
+        runner.kv.set_delay_next_reads(-1.0)
+    assert runner.kv.metadata()[0] and runner.kv.peer_id.startswith("once-")
     runner.shutdown()
-    assert not runner.kv_port.attached
-    with pytest.raises(RuntimeError, match="kv_attach"):
-        runner.kv_metadata()
+    assert not runner.kv.attached
+    with pytest.raises(RuntimeError, match="kv.attach"):
+        runner.kv.metadata()
     # Detached, it may attach a fresh endpoint.
-    runner.kv_attach(KVEndpointFactory("nixl", f"again-{uuid.uuid4().hex[:8]}"))
+    runner.kv.attach(KVEndpointFactory("nixl", f"again-{uuid.uuid4().hex[:8]}"))
     runner.shutdown()
+
+
+def test_the_port_reads_on_its_own_thread(gqa):
+    """``start_read`` returns at once; the read (delayed by the seam, then a real NIXL READ
+    between two in-process runners) ends on the port's thread; a delay past the timeout fails
+    the read, naming the rank; a detach cancels what has not started."""
+    path, _ = gqa
+    prefiller, decoder = make_engine(path), make_engine(path)
+    with attached("nixl", prefiller, decoder) as (prefill_id, _):
+        ticket = ticket_for(prefiller, prefill_id, random_prompts([33], 256, seed=71)[0])
+        port = decoder.runner.kv
+        port.set_delay_next_reads(0.5)
+        started = time.monotonic()
+        read = port.start_read(prefill_id, ticket.block_ids, [4, 5, 6], READ_TIMEOUT_S, prefiller.runner.kv.metadata())
+        assert time.monotonic() - started < 0.25 and not read.done()
+        block_bytes = decoder.runner.kv_layout.block_size * decoder.runner.kv_layout.bytes_per_token
+        assert read.result(timeout=10) == 3 * block_bytes and time.monotonic() - started >= 0.5
+        port.set_delay_next_reads(2.0)
+        with pytest.raises(KVRankError, match="rank 0.*did not finish within 0.3 s"):
+            port.start_read(prefill_id, ticket.block_ids, [4, 5, 6], 0.3).result(timeout=10)
+        port.set_delay_next_reads(1.0)
+        slow, queued = (port.start_read(prefill_id, ticket.block_ids, [4, 5, 6], READ_TIMEOUT_S) for _ in range(2))
+        release_prefill(prefiller, ticket)
+    assert slow.done() and queued.cancelled()  # NOTE: the detach waited for the read in flight
+    prefiller.runner.shutdown()
+    decoder.runner.shutdown()

@@ -382,6 +382,114 @@ def test_finish_needs_a_finished_status():
     assert scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
 
 
+# ---- remote KV (the decode side of a handoff) ----------------------------------------------
+
+
+def _load(scheduler, runner, request_id: str) -> Request:
+    """What a finished KV read does: the prompt's slots hold its tokens (the fake KV); then
+    the request joins ``running`` with the first token the prefill engine would sample."""
+    request = scheduler.get(request_id)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    size = scheduler.pool.block_size
+    for position, token in enumerate(request.prompt_token_ids):
+        runner.slots[request.block_ids[position // size] * size + position % size] = token
+    return scheduler.remote_kv_loaded(request_id, reference_outputs(request.prompt_token_ids, 1)[0])
+
+
+def test_a_loading_request_holds_its_slot_and_blocks_and_is_never_scheduled():
+    scheduler, runner = make(num_blocks=32, block_size=4, max_num_seqs=2)
+    p = Request("p", list(range(9)), max_tokens=4)
+    scheduler.add(p)
+    blocks, num_cached = scheduler.admit_prefilled("p")
+    assert (len(blocks), num_cached) == (3, 0) and scheduler.num_loading == 1 and scheduler.has_unfinished()
+    a, b = Request("a", [1] * 5, max_tokens=3), Request("b", [2] * 5, max_tokens=3)
+    scheduler.add(a)
+    scheduler.add(b)
+    # One slot left: a runs, b waits; p is in no step while its KV is read.
+    for _ in range(2):
+        output = step(scheduler, runner)
+        assert "p" not in shares(output) and b.status is RequestStatus.WAITING
+    assert scheduler.pool.num_used_blocks >= 3
+    _load(scheduler, runner, "p")
+    assert shares(step(scheduler, runner)) == {"a": (6, 1), "p": (9, 1)}
+    run_to_completion(scheduler, runner)
+    for request in (p, a, b):
+        assert request.output_token_ids == reference_outputs(request.prompt_token_ids, request.max_tokens)
+    assert scheduler.pool.num_used_blocks == 0
+
+
+def test_a_pool_short_only_by_loading_blocks_waits_instead_of_failing():
+    scheduler, runner = make(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler.add(Request("p", [3] * 13, max_tokens=2))  # all 4 blocks
+    scheduler.admit_prefilled("p")
+    c = Request("c", [4] * 5, max_tokens=1)
+    scheduler.add(c)
+    for _ in range(3):
+        assert scheduler.schedule().is_empty and not scheduler.waiting_for_held_blocks
+        scheduler.check_invariants()
+    _load(scheduler, runner, "p")
+    run_to_completion(scheduler, runner)
+    assert c.output_token_ids == reference_outputs(c.prompt_token_ids, 1) and scheduler.pool.num_used_blocks == 0
+
+
+def test_an_abort_while_loading_keeps_the_blocks_until_the_read_ends():
+    scheduler, _ = make(num_blocks=16, block_size=4)
+    scheduler.add(Request("p", list(range(10)), max_tokens=4))
+    blocks, _ = scheduler.admit_prefilled("p")
+    assert scheduler.abort("p") and not scheduler.has_unfinished()
+    # The read may still write into them: referenced, counted, never handed out.
+    assert scheduler.is_draining("p") and scheduler.num_draining_blocks == 3 and scheduler.pool.num_free_blocks == 13
+    scheduler.check_invariants()
+    with pytest.raises(ValueError, match="aborted while its KV read is in flight"):
+        scheduler.add(Request("p", [1], max_tokens=1))
+    assert scheduler.release_draining("p") and not scheduler.release_draining("p")
+    assert scheduler.pool.num_free_blocks == 16 and not scheduler.is_draining("p")
+    scheduler.add(Request("p", [1], max_tokens=1))
+    scheduler.check_invariants()
+
+
+def test_a_failed_load_requeues_the_request_as_the_latest_arrival():
+    scheduler, runner = make(num_blocks=32, block_size=4)
+    p = Request("p", list(range(9)), max_tokens=3)
+    scheduler.add(p)
+    scheduler.admit_prefilled("p")
+    a = Request("a", [1] * 5, max_tokens=4)
+    scheduler.add(a)
+    step(scheduler, runner)
+    b = Request("b", [2] * 5, max_tokens=2)
+    scheduler.add(b)
+    failed = scheduler.remote_kv_failed("p")
+    assert failed is p and p.status is RequestStatus.WAITING and p.block_ids == [] and not p.prefilled
+    assert p.arrival_order > b.arrival_order and list(scheduler.waiting) == [b, p]
+    scheduler.check_invariants()
+    run_to_completion(scheduler, runner)
+    # It computed its prompt here and sampled its own tokens.
+    assert p.output_token_ids == reference_outputs(p.prompt_token_ids, 3) and scheduler.pool.num_used_blocks == 0
+
+
+def test_a_request_preempted_while_another_loads_keeps_its_place_and_the_loads_blocks_stay():
+    # NOTE: r1 and r2 grow to 4 blocks each in a pool of 8, while p holds 2 of them loading:
+    # r2 (the latest running) is preempted, never p, whose blocks the read writes.
+    scheduler, runner = make(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    r1, r2 = Request("r1", [1] * 7, max_tokens=9), Request("r2", [2] * 7, max_tokens=9)
+    for request in (r1, r2):
+        scheduler.add(request)
+    step(scheduler, runner)
+    p = Request("p", [3] * 8, max_tokens=2)
+    scheduler.add(p)
+    scheduler.admit_prefilled("p")
+    preempted = []
+    while not preempted:
+        preempted = step(scheduler, runner).preempted
+    assert preempted == [r2] and p.status is RequestStatus.WAITING_FOR_REMOTE_KV and len(p.block_ids) == 2
+    _load(scheduler, runner, "p")
+    scheduler.check_invariants()
+    run_to_completion(scheduler, runner)
+    for request in (r1, r2, p):
+        assert request.output_token_ids == reference_outputs(request.prompt_token_ids, request.max_tokens)
+    assert scheduler.pool.num_used_blocks == 0
+
+
 # ---- fairness --------------------------------------------------------------------------
 
 
