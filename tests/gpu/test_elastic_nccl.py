@@ -13,7 +13,7 @@ from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.cluster.platform import probe
 from flotilla.resolution import ModelFacts, ServerArgs, resolve
-from flotilla.serve.elastic_ep import joiner_fields
+from flotilla.serve.plan import joiner_fields
 from helpers.elastic_live import ELASTIC
 from helpers.prompts import random_prompts
 from helpers.tiny_moe import save_tiny_qwen3_moe

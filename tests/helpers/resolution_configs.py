@@ -139,3 +139,11 @@ def model_phase_error(argv, hf, platform="b200"):
 def declared_by(outcome, rule_name):
     """{field: value} a rule declared (its last declaration of each field)."""
     return {c.field: c.new for c in outcome.provenance if c.rule == rule_name}
+
+
+def default_cpu_config():
+    """The resolved config of a Llama-3 8K model with no flags on the CPU preset: what an
+    ingress built over a stub engine takes for "no server field set"."""
+    from flotilla.resolution import resolve
+
+    return resolve(ServerArgs.create(model_path=MODEL_DIR), ModelFacts.from_hf_config(LLAMA_8K), preset("cpu"))

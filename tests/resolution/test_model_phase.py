@@ -160,11 +160,6 @@ def test_glm_dsa_fp8_on_sm120_selects_flashinfer_sparse_mla():
     assert out.values["dsa_prefill_backend"] == "flashmla_sparse" and out.values["dsa_decode_backend"] == "trtllm"
 
 
-def test_dsa_on_cpu_fails_reading_the_device_capability():
-    error = rejection([], DEEPSEEK_V32, "cpu")
-    assert "Found no NVIDIA driver on your system" in str(error) and "Torch not compiled with CUDA enabled" in str(error)
-
-
 @pytest.mark.parametrize("sharing", [{"index_topk_pattern": "FFSS"}, {"index_topk_freq": 2}])
 def test_two_batch_overlap_rejects_dsa_topk_sharing(sharing):
     error = rejection(["--tp", "8", "--enable-two-batch-overlap", "--moe-a2a-backend", "deepep"],

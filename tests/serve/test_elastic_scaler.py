@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -29,6 +28,7 @@ from flotilla.serve.ep_autoscale_driver import ElasticEPAutoscaleDriver, p90
 from flotilla.serve.ingress import create_app
 from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.types import ElasticAutoscaleOptions, EngineUnavailableError, ReplicaLoad, ServeOptions
+from helpers.resolution_configs import default_cpu_config
 
 
 # -- the scaler over a fake engine -----------------------------------------------------------
@@ -304,7 +304,7 @@ class StubElasticClient:
 def admin_app(engine: FakeEngine, plan=PLAN, api_key=None):
     scaler, _ = scaler_for(engine)
     options = ServeOptions(served_model_name="moe", elastic_plan=plan, api_key=api_key)
-    return scaler, create_app(StubElasticClient(scaler), None, options, SimpleNamespace())
+    return scaler, create_app(StubElasticClient(scaler), None, options, default_cpu_config())
 
 
 def http(app, **headers) -> httpx.AsyncClient:

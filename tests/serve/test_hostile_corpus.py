@@ -35,6 +35,7 @@ import httpx
 import pytest
 
 from flotilla.serve.types import ServeOptions
+from helpers.resolution_configs import default_cpu_config
 
 MODEL = "smollm2"
 BODY_LIMIT = 64 * 1024
@@ -750,7 +751,7 @@ def test_what_flotilla_passes_to_serve_reaches_its_http_server():
     endpoint = SimpleNamespace(host="127.0.0.1", port=port, ssl_certfile=None, ssl_keyfile=None)
     options = http_options(endpoint, ServeOptions(http_keep_alive_timeout_s=1, http_request_timeout_s=30))
     assert options == {"host": "127.0.0.1", "port": port, "keep_alive_timeout_s": 1, "request_timeout_s": 30.0}
-    app = create_app(_HealthyEngine(), None, ServeOptions(served_model_name=MODEL), SimpleNamespace())
+    app = create_app(_HealthyEngine(), None, ServeOptions(served_model_name=MODEL), default_cpu_config())
     url = f"http://127.0.0.1:{port}"
 
     def clients() -> None:

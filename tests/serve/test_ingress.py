@@ -28,6 +28,7 @@ from flotilla.serve.types import (
     GenerateChunk,
     ServeOptions,
 )
+from helpers.resolution_configs import default_cpu_config
 
 MODEL = "smollm2"
 BODY_LIMIT = 64 * 1024
@@ -427,7 +428,7 @@ class StubEngine:
 
 def stub_app(mode):
     engine = StubEngine(mode)
-    return engine, create_app(engine, None, ServeOptions(served_model_name=MODEL), SimpleNamespace())
+    return engine, create_app(engine, None, ServeOptions(served_model_name=MODEL), default_cpu_config())
 
 
 def test_engine_refusals_and_failures():
@@ -538,7 +539,7 @@ def test_a_refused_prompt_aborts_every_other_prompt_of_its_request(refusal, stat
     the prompts ran on for the refused client)."""
     caplog.set_level(logging.WARNING, logger="flotilla.serve.responses")
     engine = SiblingEngine(refuse=2, refusal=refusal)
-    app = create_app(engine, None, ServeOptions(served_model_name=MODEL), SimpleNamespace())
+    app = create_app(engine, None, ServeOptions(served_model_name=MODEL), default_cpu_config())
     body = {"model": MODEL, "prompt": [[1], [2], [3], [4]], "max_tokens": 4}
 
     async def main():
@@ -557,7 +558,7 @@ def test_a_stream_whose_client_leaves_before_its_first_frame_closes_every_prompt
     generator never starts (so its own ``finally`` never runs), yet every prompt's stream is
     closed when the response ends (their pumps would otherwise read on)."""
     engine = SiblingEngine(refuse=None, first_chunk=True)
-    app = create_app(engine, None, ServeOptions(served_model_name=MODEL), SimpleNamespace())
+    app = create_app(engine, None, ServeOptions(served_model_name=MODEL), default_cpu_config())
     body = json.dumps({"model": MODEL, "prompt": [[1], [2], [3]], "max_tokens": 4, "stream": True}).encode()
 
     async def main():
@@ -587,7 +588,7 @@ def test_a_stream_whose_client_leaves_before_its_first_frame_closes_every_prompt
 
 def test_prompts_beyond_max_prompts_per_request_get_400_naming_prompt_before_any_reaches_the_engine():
     engine = SiblingEngine(refuse=None)
-    app = create_app(engine, None, ServeOptions(served_model_name=MODEL, max_prompts_per_request=3), SimpleNamespace())
+    app = create_app(engine, None, ServeOptions(served_model_name=MODEL, max_prompts_per_request=3), default_cpu_config())
 
     async def main():
         http, _ = clients(app)
