@@ -673,7 +673,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         chunk = GenerateChunk(live.add.request.request_id, [live.pending[i] for i in sorted(live.pending)])
         live.pending, live.pending_tokens, live.last_sent_at = {}, 0, now
         if not live.sent_first:
-            chunk.queue_time_s = live.queue_time_s
+            chunk.queue_time_s, chunk.replica_id = live.queue_time_s, self.metrics.replica_id
             live.sent_first = True
         return chunk
 

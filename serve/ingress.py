@@ -667,6 +667,8 @@ class _Observer:
         job = state.get("job")
         if job is not None and job.usage:
             record.update(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), job.totals()))
+        if job is not None:
+            record.update(job.served_by())
         level = logging.DEBUG if path in _QUIET_ROUTES and status < 400 else logging.INFO
         access_log.log(level, json.dumps(record))
         settings = self.ingress.request_log

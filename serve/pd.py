@@ -229,11 +229,15 @@ class PDEngineClient:
 
         if ends_at_first_token(request, ticket):
             release()
+            ticket.chunk.prefill_replica_id = ticket.replica_id
             yield ticket.chunk
             return
         stream = stream_chunks(call(self._decode_prefilled, request, ticket), on_first=release, wrap_unknown=True)
+        first = True
         try:
             async for chunk in stream:
+                if first:
+                    chunk.prefill_replica_id, first = ticket.replica_id, False
                 yield chunk
         finally:
             release()

@@ -253,6 +253,8 @@ class GenerationJob:
         usage: per prompt index, (prompt, completion, cached) tokens from its last chunk.
         keep_text: gather each choice's text (for the request log, ``--log-requests``).
         texts: with ``keep_text``, each choice's text pieces so far, by choice index.
+        replicas: per prompt index, (engine replica, prefill replica or "") from its first
+            chunk that names one (the access log's ``replica``).
     """
 
     kind: str
@@ -268,9 +270,13 @@ class GenerationJob:
     usage: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     keep_text: bool = False
     texts: dict[int, list[str]] = field(default_factory=dict)
+    replicas: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def record(self, i: int, chunk: GenerateChunk) -> None:
-        """Take note of prompt ``i``'s chunk: its usage once finished, its text with ``keep_text``."""
+        """Take note of prompt ``i``'s chunk: the replicas that served it (its first chunk
+        names them), its usage once finished, its text with ``keep_text``."""
+        if chunk.replica_id and i not in self.replicas:
+            self.replicas[i] = (chunk.replica_id, chunk.prefill_replica_id)
         if self.keep_text:
             for c in chunk.completions:
                 self.texts.setdefault(i * self.n + c.index, []).append(c.text)
@@ -286,6 +292,17 @@ class GenerationJob:
         """(prompt, completion, cached) tokens over the prompts that finished."""
         prompt, completion, cached = (sum(u[k] for u in self.usage.values()) for k in range(3))
         return prompt, completion, cached
+
+    def served_by(self) -> dict[str, Any]:
+        """The access log's ``replica`` (and, under PD, ``prefill_replica``): the engine
+        replica that served the request, or the list of them, in prompt order, when its
+        prompts went to several."""
+        out: dict[str, Any] = {}
+        for key, column in (("replica", 0), ("prefill_replica", 1)):
+            ids = list(dict.fromkeys(self.replicas[i][column] for i in sorted(self.replicas) if self.replicas[i][column]))
+            if ids:
+                out[key] = ids[0] if len(ids) == 1 else ids
+        return out
 
     def total_usage(self) -> Usage:
         return Usage.of(*self.totals())

@@ -86,6 +86,10 @@ class GenerateChunk:
             ``cached_tokens`` = prompt tokens served from the prefix cache).
         queue_time_s: seconds the request waited before its first scheduled step (first chunk).
         error: when the engine failed the request, why (completions finish with ``"error"``).
+        replica_id: the engine replica that computed the request (set on its first chunk;
+            under PD the decode replica, or the prefill replica when the first token ends it).
+        prefill_replica_id: under PD, the prefill replica that computed the prompt (set on
+            the first chunk by the ingress's client; empty otherwise).
     """
 
     request_id: str
@@ -96,6 +100,8 @@ class GenerateChunk:
     cached_tokens: int = 0
     queue_time_s: float | None = None
     error: str | None = None
+    replica_id: str = ""
+    prefill_replica_id: str = ""
 
     def absorb(self, later: GenerateChunk) -> None:
         """Fold ``later`` (the same request's next chunk) into this one, as if the engine

@@ -34,12 +34,14 @@ MODEL = "smollm2"
 BODY_LIMIT = 64 * 1024
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GOOD = dict(model=MODEL, prompt="Hello", max_tokens=1, temperature=0)
+# The engine replica id of the served fixture (the access log names it).
+ENGINE_REPLICA = "engine-test-1"
 
 
 @pytest.fixture(scope="module")
 def served():
     llm = LLM(max_total_tokens=4096)
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(llm.engine, replica_id=ENGINE_REPLICA)
     options = ServeOptions(served_model_name=MODEL, max_body_bytes=BODY_LIMIT)
     app = create_app(engine, llm.tokenizer, options, llm.config)
     yield SimpleNamespace(llm=llm, engine=engine, app=app, tokenizer=llm.tokenizer)
@@ -491,6 +493,37 @@ def test_request_ids_and_access_log(caplog):
     assert lines[0]["request_id"] == "client-7" and lines[0]["status"] == 200 and lines[0]["latency_s"] >= 0
     assert (lines[0]["prompt_tokens"], lines[0]["completion_tokens"], lines[0]["cached_tokens"]) == (3, 2, 1)
     assert lines[1]["path"] == "/v1/models" and "prompt_tokens" not in lines[1]
+
+
+def test_the_access_log_names_the_engine_replica_that_served(served, caplog):
+    """The access-log line of a generation names the engine replica whose engine computed it
+    (stamped on the request's first chunk by that replica's AsyncEngine), streamed or not;
+    a route that reaches no engine names none."""
+    caplog.set_level(logging.INFO, logger="flotilla.serve.access")
+
+    async def main():
+        http, _ = clients(served.app)
+        for stream in (False, True):
+            response = await http.post("/v1/completions", json={**GOOD, "stream": stream, "prompt": [1, 2, 3, 4]})
+            assert response.status_code == 200, response.text
+        assert (await http.get("/v1/models")).status_code == 200
+
+    run(main)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "flotilla.serve.access"]
+    assert [line.get("replica") for line in lines] == [ENGINE_REPLICA, ENGINE_REPLICA, None], lines
+    assert all("prefill_replica" not in line for line in lines)
+
+
+def test_served_by_names_each_replica_once_in_prompt_order():
+    """A request whose prompts went to several replicas (or through PD) names all of them."""
+    from flotilla.serve.responses import GenerationJob
+
+    job = GenerationJob("completion", "cmpl-x", MODEL, 1, [], None, False, None)
+    assert job.served_by() == {}
+    for i, (decode, prefill) in enumerate([("d1", "p1"), ("d2", "p1"), ("d1", "")]):
+        job.record(i, GenerateChunk(f"r-{i}", replica_id=decode, prefill_replica_id=prefill))
+    job.record(0, GenerateChunk("r-0", replica_id="later"))  # NOTE: the first chunk's replica counts
+    assert job.served_by() == {"replica": ["d1", "d2"], "prefill_replica": "p1"}
 
 
 # -- the prompts of one request: refused together, aborted together ----------------------------

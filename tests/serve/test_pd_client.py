@@ -190,6 +190,7 @@ def test_a_client_that_leaves_after_the_first_chunk_still_releases_the_prefill_b
 
     chunks = asyncio.run(main())
     assert chunks[0].completions[0].token_ids == [7]
+    assert chunks[0].prefill_replica_id == "p0"  # NOTE: the access log names the prefill replica
     assert pools.released == ["leaves~0"]
     release = next(c for c in pools.calls if c.method == "release_kv")
     assert release.request is None and not release.cancelled
