@@ -9,8 +9,9 @@ import torch
 from helpers.margins import topk_margin
 
 
-def save_tiny_llama(path: Path, vocab_size: int = 256, seed: int = 0):
-    """Save a seeded tiny random Llama to ``path`` (safetensors); returns the HF model.
+def save_tiny_llama(path: Path, vocab_size: int = 256, seed: int = 0, max_position_embeddings: int = 256):
+    """Save a seeded tiny random Llama to ``path`` (safetensors); returns the HF model
+    (``max_position_embeddings``: its context).
 
     NOTE: initializer_range 0.2 (not HF's 0.02) spreads the logits (|logits| <= ~5), so
     greedy choices are decided by margins far above float32 summation-order noise (<= 6e-6,
@@ -28,7 +29,7 @@ def save_tiny_llama(path: Path, vocab_size: int = 256, seed: int = 0):
         num_key_value_heads=2,
         num_hidden_layers=2,
         vocab_size=vocab_size,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         initializer_range=0.2,
     )
     model = LlamaForCausalLM(config).eval()

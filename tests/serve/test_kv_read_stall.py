@@ -27,6 +27,7 @@ from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
 from flotilla.serve.engine_replica import EngineReplica
 from flotilla.serve.types import GenerateRequest, ReplicaPin, ServeOptions
 from helpers.prompts import random_prompts
+from helpers.tiny_models import save_tiny_llama
 from helpers.torch_threads import one_intra_op_thread
 
 VOCAB = 256
@@ -46,16 +47,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny Llama of ``save_tiny_llama`` with a long context (A streams for seconds)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     path = tmp_path_factory.mktemp("tiny-llama-stall")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-        vocab_size=VOCAB, max_position_embeddings=CONTEXT, initializer_range=0.2,
-    )  # fmt: skip
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    save_tiny_llama(path, vocab_size=VOCAB, max_position_embeddings=CONTEXT)
     return path
 
 
