@@ -311,7 +311,12 @@ class ElasticAutoscaleOptions:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """Serving options that are not server fields of the resolved config.
+    """What the serving side needs beside each pool's resolved config, set in one place
+    (:func:`~flotilla.serve.plan.serve_options`, called by ``plan_serving``): options that are
+    not server fields (PD mode and KV transport, pool sizes, the router, client limits,
+    placement, the elastic plan), and three server fields the ingress and the deployments read
+    before any engine exists, taken from the given flags and the resolved config there and
+    never derived again: ``served_model_name``, ``max_queued_requests``, ``api_key``.
 
     Attributes:
         model: the ``--model`` value the engine replicas load (None: the embedded SmolLM2).
