@@ -26,10 +26,10 @@ replica.
 
 A client that leaves must not pin the prefill blocks: when the proxy cancels the ingress's
 request it cancels, through Ray (``ray.cancel`` is recursive), every actor call submitted
-in that request's context. So the release runs in a context of its own
-(:meth:`PDEngineClient._in_background`), bounded by :data:`RELEASE_TIMEOUT_S`; and a
-prefill whose answer was on its way when its caller left has its ticket released when it
-arrives.
+in that request's context, and a call cancelled just as it finished loses its answer. So
+the prefill call and the release run in contexts of their own (see
+:meth:`PDEngineClient._in_background`; the release bounded by :data:`RELEASE_TIMEOUT_S`): a
+prefill whose caller left runs to its end and its ticket is released when it arrives.
 
 Each pool is watched (:class:`PoolWatch`: a bounded health probe every
 :data:`PROBE_INTERVAL_S`). While the prefill pool has no healthy replica, new requests run
@@ -245,15 +245,21 @@ class PDEngineClient:
     async def _prefill_or_none(self, request: GenerateRequest) -> PrefillTicket | None:
         """The prefill's ticket; None when the prefill side failed (or its pool went down
         while the call waited) and the policy is ``recompute``. Bad input and overload raise
-        as they are under either policy. A caller that leaves cancels the prefill (Ray also
-        cancels it with the HTTP request); a ticket that comes back anyway is released."""
-        response = call(self._prefill_call, request)
+        as they are under either policy. A caller that leaves does not cancel the prefill: it
+        runs to its end and its ticket is released when it comes back.
+
+        NOTE: the call is made in a context of its own, outside the HTTP request's task tree
+        (see :meth:`_in_background`). Cancelling a Serve call that has just finished loses its
+        result (Serve: "the request may actually have run to completion"), and with it the
+        ticket of blocks the prefill replica now holds: they would stay leased until the lease
+        ends. The proxy's recursive cancel of a client that leaves would do exactly that."""
+        response = contextvars.Context().run(call, self._prefill_call, request)
         pending = asyncio.ensure_future(_awaited(response))
         down = asyncio.ensure_future(self.pools[PREFILL_DEPLOYMENT].until_down())
         try:
             await asyncio.wait((pending, down), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            self._abandon_prefill(response, pending)
+            self._abandon_prefill(response, pending, cancel=False)
             raise
         finally:
             down.cancel()
@@ -263,8 +269,9 @@ class PDEngineClient:
             except Exception as exc:  # noqa: BLE001 - sorted out below
                 error = engine_error(exc)
         else:
-            # NOTE: the pool went down while the call waited for (or on) a replica.
-            self._abandon_prefill(response, pending)
+            # NOTE: the pool went down while the call waited for (or on) a replica: no ticket
+            # is coming from a replica that is gone, and a call still waiting for one must end.
+            self._abandon_prefill(response, pending, cancel=True)
             reason = self.pools[PREFILL_DEPLOYMENT].reason
             error = EngineUnavailableError(f"the prefill pool has no healthy replica ({reason})")
         if isinstance(error, (ValueError, EngineOverloadedError)):
@@ -283,10 +290,12 @@ class PDEngineClient:
         )
         return None
 
-    def _abandon_prefill(self, response: Any, pending: asyncio.Future) -> None:
-        """Nobody waits for this prefill any more: cancel it (the replica aborts it, or frees
-        its blocks if it had finished), and release the ticket if it arrives all the same."""
-        response.cancel()
+    def _abandon_prefill(self, response: Any, pending: asyncio.Future, cancel: bool) -> None:
+        """Nobody waits for this prefill any more: release its ticket when it arrives; with
+        ``cancel``, cancel the call too (the replica aborts the prefill, or frees its blocks if
+        it had finished)."""
+        if cancel:
+            response.cancel()
 
         def release_late_ticket(done: asyncio.Future) -> None:
             self._background.discard(done)

@@ -28,8 +28,10 @@ REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("request", 
 
 class Call:
     """One call: awaits (or iterates) ``body``; remembers the request it was made in. A
-    result takes ``transit_s`` to come back once the replica has it; cancelling then changes
-    nothing (as ``ray.cancel`` of a finished task)."""
+    result takes ``transit_s`` to come back once the replica has it; cancelling the call
+    then loses the result, though the replica did the work (as Serve's
+    ``DeploymentResponse.cancel``: "the request may actually have run to completion", and
+    awaiting it raises)."""
 
     def __init__(self, calls: list, method: str, body, stream: bool, transit_s: float = 0.0):
         self.method, self.request, self.cancelled = method, REQUEST.get(), False
@@ -53,6 +55,8 @@ class Call:
         self.cancelled = True
         if self._work is not None and not self._work.done():
             self._work.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 class Handle:
@@ -204,6 +208,8 @@ def test_a_ticket_that_arrives_after_its_caller_left_is_released():
         client = pools.client()
         task = asyncio.ensure_future(consume_in_request(client, request("gone"), first_only=False))
         await asyncio.sleep(0.1)  # NOTE: the prefill has finished; its ticket is on its way back
+        # NOTE: the proxy's cancel must not reach the prefill call: cancelled now, its ticket
+        # (and the blocks the replica holds for it) would be lost until the lease ends.
         cancel_request(pools.calls, "gone")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -212,6 +218,7 @@ def test_a_ticket_that_arrives_after_its_caller_left_is_released():
 
     asyncio.run(main())
     assert pools.released == ["gone~0"]
+    assert not next(c for c in pools.calls if c.method == "prefill").cancelled
     assert [c.method for c in pools.calls if c.method in ("generate", "generate_prefilled")] == []
 
 
