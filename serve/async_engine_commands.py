@@ -11,7 +11,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from flotilla.serve.types import GenerateRequest, PrefillTicket
+from flotilla.cluster.engine.kv_contract import PrefillTicket
+from flotilla.serve.types import GenerateRequest
 
 
 @dataclass(eq=False)

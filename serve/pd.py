@@ -6,7 +6,7 @@ in a role), and the ingress talks to them through this client. Per request:
 
 1. ``prefill(request)`` on a prefill replica (its router prefers the replica that holds
    the prompt's prefix): the prompt's KV and first token are computed and the KV blocks
-   stay held under a lease; the answer is a :class:`~flotilla.serve.types.PrefillTicket`.
+   stay held under a lease; the answer is a :class:`~flotilla.cluster.engine.kv_contract.PrefillTicket`.
 2. When the first token already ends the request (``max_tokens`` 1, a stop token), the
    ticket's own chunk is the answer. Otherwise ``generate_prefilled(request, ticket)``
    streams from a decode replica: it allocates blocks, READs the prefill blocks (NIXL, or
@@ -46,13 +46,13 @@ import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from flotilla.cluster.engine.kv_contract import PrefillTicket, check_policy
 from flotilla.serve.handles import call, engine_error, stream_chunks
 from flotilla.serve.types import (
     EngineOverloadedError,
     EngineUnavailableError,
     GenerateChunk,
     GenerateRequest,
-    PrefillTicket,
     ReplicaPin,
 )
 
@@ -174,8 +174,6 @@ class PDEngineClient:
     """
 
     def __init__(self, prefill: Any, decode: Any, policy: str = "recompute", metrics_timeout_s: float = 5.0):
-        from flotilla.cluster.engine.kv_handoff import check_policy
-
         check_policy(policy)
         self.policy = policy
         self._prefill = prefill

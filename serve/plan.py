@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from flotilla.cluster.engine.configure import check_user_settings, resolve_engine_config
 from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
+from flotilla.cluster.engine.kv_contract import check_policy
 from flotilla.cluster.platform import probe_for_workers
 from flotilla.resolution import PlatformFacts, ResolutionError, ResolvedConfig
 from flotilla.serve.types import ElasticEPPlan
@@ -342,7 +343,6 @@ def ranks_in_replica(config: Any, options: ServeOptions, pool: str) -> bool:
 
 def check_pd_options(prefill_config: Any, decode_config: Any, options: ServeOptions) -> None:
     """Refuse a PD setup that cannot work, with a message naming the flag and value."""
-    from flotilla.cluster.engine.kv_handoff import check_policy
     from flotilla.cluster.engine.limits import block_size_for
     from flotilla.cluster.kv.endpoint import KV_TRANSPORTS
 

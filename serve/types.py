@@ -215,11 +215,6 @@ class ReplicaPin:
     replica_id: str
 
 
-# NOTE: a prefilled prompt has one type on both sides of the handoff, defined where the engine
-# imports it too (cluster/ never imports serve/); re-exported with the serving contract's types.
-from flotilla.cluster.engine.kv_contract import PrefillTicket  # noqa: E402,F401
-
-
 class EngineClient(Protocol):
     """How the ingress talks to the engine: through a Serve handle in the deployed app
     (:mod:`flotilla.serve.app`), or to an in-process :class:`~flotilla.serve.async_engine.AsyncEngine`

@@ -37,7 +37,6 @@ import torch
 
 from flotilla.cluster.engine.kv_contract import (
     DEFAULT_KV_READ_TIMEOUT_S,
-    KV_LOAD_FAILURE_POLICIES,
     KVHandoffError,
     KVReader,
     PrefillTicket,
@@ -50,12 +49,8 @@ if TYPE_CHECKING:
     from flotilla.cluster.engine.llm_engine import LLMEngine
 
 __all__ = [
-    "KV_LOAD_FAILURE_POLICIES",
     "BlockCopier",
     "CopyBlocks",
-    "KVHandoffError",
-    "PrefillTicket",
-    "check_policy",
     "decode_prefilled",
     "handoff",
     "prefill",

@@ -19,7 +19,8 @@ import pytest
 import flotilla.serve.pd as pd_module
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.serve.pd import PDEngineClient
-from flotilla.serve.types import CompletionChunk, EngineUnavailableError, GenerateChunk, GenerateRequest, PrefillTicket
+from flotilla.cluster.engine.kv_contract import PrefillTicket
+from flotilla.serve.types import CompletionChunk, EngineUnavailableError, GenerateChunk, GenerateRequest
 
 WAIT_S = 5.0
 # The request a call is made for (None: made outside any request), as Ray's task context.
