@@ -51,12 +51,16 @@ class SamplingRow:
         num_prompt_tokens: how many of ``token_ids`` are the prompt.
         generator: the request's own generator when it has a seed, else ``None``
             (the sampler's shared generator is used).
+        token_bitmask: the tokens a constrained request may take at this step (its grammar's
+            packed bitmask: int32 ``[ceil(V / 32)]`` on the CPU, bit ``t % 32`` of word
+            ``t // 32`` set when token ``t`` is allowed), or None (every token).
     """
 
     params: SamplingParams
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
     generator: torch.Generator | None = None
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,12 +72,14 @@ class SampledToken:
         logprob: its raw logprob (``None`` unless asked for).
         top_logprobs: the ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, best first.
         rank: the chosen token's rank among all tokens (1 = most likely).
+        embedding: an embedding request's pooled vector (``SamplingParams.pooling``), else None.
     """
 
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     rank: int | None = None
+    embedding: list[float] | None = None
 
 
 _SAMPLING_BACKENDS = ("torch", "flashinfer")

@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+# What a guided (constrained) request's output must match (GuidedDecoding.kind).
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+# How an embedding request pools the final hidden states of its prompt (SamplingParams.pooling).
+POOLING_TYPES = ("last", "mean")
+
 # Temperatures below this are treated as greedy (argmax), as vLLM does: dividing
 # logits by a tiny temperature only adds overflow risk.
 GREEDY_TEMPERATURE = 1e-5
@@ -41,6 +46,11 @@ class SamplingParams:
             sampled token's (``0``: the sampled token only; ``None``: none).
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: leave special tokens out of the detokenized text.
+        guided: the constraint the output must match (structured outputs, forced tool
+            calls); None: free generation.
+        pooling: an embedding request (one of :data:`POOLING_TYPES`): the prompt is prefilled
+            and its final hidden states pooled into one vector (``last`` token or ``mean``);
+            nothing is sampled. None: a generation request.
     """
 
     n: int = 1
@@ -59,6 +69,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | None = None
+    pooling: str | None = None
     # Normalised forms, filled in by __post_init__.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
@@ -130,6 +142,13 @@ class SamplingParams:
             self.seed,
             f"must fit in a signed 64-bit integer (with room for n={self.n} child seeds)",
         )
+        _check(
+            self.guided is None or isinstance(self.guided, GuidedDecoding),
+            "guided",
+            self.guided,
+            "must be a GuidedDecoding or None",
+        )
+        _check(self.pooling is None or self.pooling in POOLING_TYPES, "pooling", self.pooling, f"must be one of {list(POOLING_TYPES)} or None")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must hold non-empty strings")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -137,6 +156,44 @@ class SamplingParams:
             self.stop_token_ids,
             "must hold non-negative token ids",
         )
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """What a constrained request's output must match; the engine's grammar backend
+    (``--grammar-backend``) compiles it and masks every step's logits to the tokens it allows.
+
+    Attributes:
+        kind: one of :data:`GUIDED_KINDS`: ``json_schema`` (``spec`` is the schema as JSON
+            text), ``json_object`` (any JSON object; ``spec`` empty), ``regex`` (``spec`` is the
+            pattern), ``ebnf`` (``spec`` is the grammar, GBNF spelling with a ``root`` rule).
+        spec: the schema, pattern or grammar text.
+        param: the request parameter the constraint came from (``response_format``,
+            ``tool_choice``, ``regex``...), named by the 400 when it does not compile.
+        reasoning_start: token ids that open a reasoning section (``<think>``); when the output
+            begins with them, the constraint applies only after ``reasoning_end``.
+        reasoning_end: token ids that close the reasoning section (``</think>``); empty: no
+            reasoning parser, the constraint applies from the first token.
+        starts_in_reasoning: the prompt already opened the reasoning section (DeepSeek-R1's
+            template ends with ``<think>``): the constraint waits for ``reasoning_end``.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
+    reasoning_start: tuple[int, ...] = ()
+    reasoning_end: tuple[int, ...] = ()
+    starts_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.kind in GUIDED_KINDS, "guided.kind", self.kind, f"must be one of {list(GUIDED_KINDS)}")
+        _check(isinstance(self.spec, str), "guided.spec", self.spec, "must be a string")
+        _check(self.kind == "json_object" or bool(self.spec), "guided.spec", self.spec, f"must be given for kind {self.kind!r}")
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on (the reasoning gate is per request)."""
+        return self.kind, self.spec
 
 
 def _check(ok: bool, name: str, value, requirement: str) -> None:
