@@ -222,12 +222,22 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         down). Closing or cancelling the iteration early aborts the request; the engine
         thread frees its KV blocks before its next step.
         """
+        await self.compile_constraint(request.params)
         engine_id, stream = self._enqueue(request, _Add)
         # NOTE: aclosing: closing this stream closes the inner one now (its abort goes out at
         # once), not when the garbage collector finalizes it.
         async with contextlib.aclosing(self._chunks(engine_id, stream, group_id=request.group_id)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    async def compile_constraint(self, params: Any) -> None:
+        """Compile a constrained request's grammar (``params.guided``) on a worker thread,
+        into the engine's cache, so that the engine thread never compiles; ValueError naming
+        the request parameter when it does not compile. Nothing to do without a constraint
+        or without a backend (the engine then refuses the request itself)."""
+        grammars = getattr(self.engine, "grammars", None)
+        if params.guided is not None and grammars is not None:
+            await asyncio.to_thread(grammars.compile, params.guided)
 
     def _enqueue(self, request: GenerateRequest, kind: type[_Add], **extra: Any) -> tuple[str, _Stream]:
         """Queue an add command of ``kind`` under the queue bound; its id and stream."""

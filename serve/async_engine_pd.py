@@ -73,6 +73,7 @@ class PDCommands:
         if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not lease_s > 0:
             raise ValueError(f"lease_s must be a positive number of seconds (got lease_s={lease_s!r})")
         params = dataclasses.replace(request.params, n=1, max_tokens=1)
+        await self.compile_constraint(params)
         engine_id, stream = self._enqueue(dataclasses.replace(request, params=params), _Prefill, lease_s=float(lease_s))
         answered = False
         try:
@@ -138,6 +139,7 @@ class PDCommands:
             self.metrics.record_finished(ticket.finish_reason or "length")
             yield ticket.chunk
             return
+        await self.compile_constraint(request.params)
         engine_id, stream = self._enqueue(
             request, _AddPrefilled, ticket=ticket, policy=policy, timeout_s=float(timeout_s)
         )

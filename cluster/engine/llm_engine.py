@@ -41,6 +41,7 @@ import torch
 
 from flotilla.cluster.engine.detokenizer import IncrementalDetokenizer, find_stop_string, stop_holdback
 from flotilla.cluster.engine.dp_scheduler import build_scheduler
+from flotilla.cluster.engine.grammar import GrammarState, grammar_backend_for, no_backend_error
 from flotilla.cluster.engine.kv_contract import (
     DEFAULT_KV_READ_TIMEOUT_S,
     KVHandoffError,
@@ -61,7 +62,12 @@ from flotilla.cluster.engine.scheduler import SchedulerConfig, UnschedulableRequ
 from flotilla.cluster.models.sources import ModelSource, context_len_of
 from flotilla.resolution import ResolvedConfig
 
-_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+# NOTE: "error" here is a completion whose token its grammar refused (see _update).
+_FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "error": RequestStatus.FINISHED_ABORTED,
+}
 
 
 def scheduler_config_for(config: ResolvedConfig, kv: KVCacheLayout) -> SchedulerConfig:
@@ -119,6 +125,8 @@ class _Sequence:
     generator: torch.Generator | None
     holdback: int
     streamed_chars: int = 0
+    # The completion's grammar (a constrained request), else None.
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -179,6 +187,8 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.context_len = context_len_of(config, source)
         self.eos_token_ids = _eos_ids(source.config_dict, tokenizer)
+        # Constrained decoding (--grammar-backend; None: "none", or no tokenizer).
+        self.grammars = grammar_backend_for(config, tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self._parents: dict[str, _Parent] = {}
         self._sequences: dict[str, _Sequence] = {}
         self._pending: list[CompletionDelta] = []
@@ -243,6 +253,8 @@ class LLMEngine:
         output = RequestOutput(request_id, prompt, prompt_token_ids, [])
         parent = _Parent(output, streaming=stream)
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
+        # NOTE: before anything is queued: a constraint that does not compile leaves no trace.
+        grammars = [self._grammar_state(child) for child in children]
         requests = []
         for index, child in enumerate(children):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -266,6 +278,7 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.skip_special_tokens)
             generator = self.runner.generator_for(child.seed) if child.seed is not None else None
             seq = _Sequence(request, parent, child, completion, detok, generator, stop_holdback(child.stop_strings))
+            seq.grammar = grammars[index]
             parent.sequences.append(seq)
             output.outputs.append(completion)
             self._sequences[request.request_id] = seq
@@ -273,6 +286,15 @@ class LLMEngine:
         if hold_kv:
             self._hold_kv.add(request_id)
         return request_id
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """A constrained completion's grammar state (None without ``params.guided``);
+        ValueError naming the request parameter when it cannot run or compile."""
+        if params.guided is None:
+            return None
+        if self.grammars is None:
+            raise no_backend_error(params.guided, self.config, self.tokenizer)
+        return self.grammars.state_for(params.guided)
 
     def priority_of(self, priority: int | None) -> int:
         """The scheduling priority of a request that asked for ``priority``: its own value
@@ -396,7 +418,7 @@ class LLMEngine:
         """One step under overlap scheduling: launch the next step, then resolve the one in flight."""
         deltas, self._pending = self._pending, []
         try:
-            if self._inflight is not None and self._inflight.all_reach_max_tokens():
+            if self._inflight is not None and (self._inflight.all_reach_max_tokens() or self._constrained_in_flight()):
                 deltas += self._resolve_inflight()
             step = self._schedule(deltas) if self.scheduler.has_unfinished() else None
             if step is None or step.is_empty:
@@ -417,6 +439,14 @@ class LLMEngine:
         advanced = self.scheduler.update(step, dict.fromkeys((r.request_id for r in sampling), PENDING_TOKEN))
         self._inflight = InflightStep.launched(batch, sampling, advanced)
         return deltas
+
+    def _constrained_in_flight(self) -> bool:
+        """Whether a constrained request sampled in the step in flight: its next mask needs
+        that token, so the next step waits for it (no overlap while such a step runs)."""
+        return any(
+            (seq := self._sequences.get(request.request_id)) is not None and seq.grammar is not None
+            for request, _, _ in self._inflight.requests
+        )
 
     def _schedule(self, deltas: list[CompletionDelta]) -> Any:
         """``scheduler.schedule()``; None, with the request failed (its error deltas appended
@@ -522,15 +552,22 @@ class LLMEngine:
 
     def _sampling_row(self, seq: _Sequence) -> SamplingRow:
         request = seq.request
-        return SamplingRow(seq.params, request.all_token_ids, request.num_prompt_tokens, seq.generator)
+        mask = seq.grammar.next_bitmask() if seq.grammar is not None else None
+        return SamplingRow(seq.params, request.all_token_ids, request.num_prompt_tokens, seq.generator, mask)
 
     def _update(self, seq: _Sequence, sampled: SampledToken) -> CompletionDelta:
         """Record one sampled token of ``seq``; check the stop conditions; return its delta."""
         params, completion, token = seq.params, seq.completion, sampled.token_id
         completion.token_ids.append(token)
         step_logprobs = self._record_logprobs(completion, sampled) if params.logprobs is not None else None
-        finish, stop_reason = None, None
-        if token in self.eos_token_ids and not params.ignore_eos:
+        finish, stop_reason, error = None, None, None
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # NOTE: the mask makes this unreachable unless a token came from elsewhere (a
+            # prefill engine's first token): the completion cannot go on within its grammar.
+            finish = "error"
+            error = f"{params.guided.param}: token {token} is not allowed by the request's constraint here"
+            seq.parent.output.error = error
+        elif token in self.eos_token_ids and not params.ignore_eos:
             finish = "stop"
         elif token in params.stop_token_ids:
             finish, stop_reason = "stop", token
@@ -563,6 +600,7 @@ class LLMEngine:
             [step_logprobs] if step_logprobs is not None else None,
             finish,
             stop_reason,
+            error=error,
         )
         return delta
 

@@ -21,6 +21,8 @@ a pending token inside a prefill chunk (a preempted request recomputed), penalti
 (they read the token history on the host), or a request whose KV blocks outlive it. When
 every request of step N reaches ``max_tokens`` with it (the end of a batch-1 stream), step
 N resolves before anything is scheduled, so no whole step is computed for nothing.
+When step N holds a constrained request (``SamplingParams.guided``), step N also resolves
+before step N+1 is scheduled: the request's next token mask depends on its token in flight.
 
 NOTE: placeholders never reach the prefix cache: a full block is committed when its
 tokens are computed, which happens one step after the token is written, and step N+1's

@@ -10,6 +10,8 @@ The order of operations, per row (each row carries its own ``SamplingParams``):
    logit is divided by the penalty, a negative one multiplied), then presence and
    frequency (OpenAI-style, over output tokens only: ``logit -= presence * [count>0]
    + frequency * count``). Greedy rows get penalties too, as in HF and vLLM;
+   Then a constrained row (``token_bitmask``: its grammar's allowed tokens, see
+   :mod:`~flotilla.cluster.engine.grammar`) has every other token's logit set to ``-inf``;
 3. greedy rows (temperature 0) take the argmax here;
 4. temperature, then top-k, then top-p over the renormalised top-k set, then min-p
    (relative to the most likely remaining token);
@@ -170,6 +172,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits.clone(), rows)
+        if any(r.token_bitmask is not None for r in rows):
+            logits = apply_token_bitmasks(logits, rows)
         return SampledBatch(self._choose(logits, rows), raw_logprobs, list(rows))
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -271,6 +275,25 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     presence = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
     frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
     return logits - presence * (out_counts > 0) - frequency * out_counts
+
+
+def apply_token_bitmasks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits`` (a new tensor) with every token a row's ``token_bitmask`` does not allow at
+    ``-inf``; rows without a bitmask are unchanged."""
+    masked = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    packed = torch.stack([rows[i].token_bitmask for i in masked]).to(logits.device)
+    allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+    allowed[_device_index(masked, logits.device)] = unpack_bitmasks(packed, logits.shape[1])
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bitmasks(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed bitmasks (int32 ``[R, ceil(V / 32)]``) as a bool ``[R, vocab_size]`` of the
+    allowed tokens: token ``t`` is bit ``t % 32`` of word ``t // 32`` (xgrammar's and
+    llguidance's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmasks.device)
+    bits = (bitmasks.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmasks.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -176,6 +176,9 @@ class GuidedDecoding:
             reasoning parser, the constraint applies from the first token.
         starts_in_reasoning: the prompt already opened the reasoning section (DeepSeek-R1's
             template ends with ``<think>``): the constraint waits for ``reasoning_end``.
+        strict: a JSON schema is followed strictly (no properties or items it does not
+            name; OpenAI's ``strict: true``); False lets objects carry extra properties
+            where the schema does not forbid them.
     """
 
     kind: str
@@ -184,6 +187,7 @@ class GuidedDecoding:
     reasoning_start: tuple[int, ...] = ()
     reasoning_end: tuple[int, ...] = ()
     starts_in_reasoning: bool = False
+    strict: bool = True
 
     def __post_init__(self) -> None:
         _check(self.kind in GUIDED_KINDS, "guided.kind", self.kind, f"must be one of {list(GUIDED_KINDS)}")
@@ -191,9 +195,9 @@ class GuidedDecoding:
         _check(self.kind == "json_object" or bool(self.spec), "guided.spec", self.spec, f"must be given for kind {self.kind!r}")
 
     @property
-    def cache_key(self) -> tuple[str, str]:
+    def cache_key(self) -> tuple[str, str, bool]:
         """What the compiled grammar depends on (the reasoning gate is per request)."""
-        return self.kind, self.spec
+        return self.kind, self.spec, self.strict
 
 
 def _check(ok: bool, name: str, value, requirement: str) -> None:

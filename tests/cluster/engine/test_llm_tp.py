@@ -8,10 +8,13 @@ its greedy choices lead by more than ``ENGINE_MIN_LEAD`` (``tiny_llama_prompts``
 and the seeded draws (the exponential race ``argmax(p / E)``) are decided by at least 9% of
 the winner's value, so neither can flip between the layouts."""
 
+import json
+
 import pytest
 
 from flotilla import LLM, SamplingParams
 from flotilla.cluster.engine.group_runner import GroupRunner
+from flotilla.cluster.engine.sampling_params import GuidedDecoding
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -53,10 +56,15 @@ def test_smollm2_tp3_greedy_matches_one_rank(ray_cluster):
     tp=3) on three Ray worker actors: 32 greedy tokens of two chat prompts are the
     one-rank engine's tokens. Logit differences of TP are float32 reduction order (the engine
     is within 3e-5 of HF on SmolLM2's logits of ~20), far below the model's greedy margins on
-    these prompts (the smallest lead of a chosen token is 6.8e-2)."""
-    questions = ["What is the capital of France?", "Write a haiku about the sea."]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    tokens = []
+    these prompts (the smallest lead of a chosen token is 6.8e-2). A third prompt is
+    constrained by a JSON schema: its row carries its grammar's bitmask to the ranks, and its
+    answer is the one-rank engine's too (and valid)."""
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Describe a city as JSON."]
+    free = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "people": {"type": "integer"}}, "required": ["city", "people"], "additionalProperties": False}
+    constrained = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, guided=GuidedDecoding("json_schema", json.dumps(city)))
+    params = [free, free, constrained]
+    tokens, texts = [], []
     for flags in ({}, {"tp_size": 3}):
         llm = LLM("smollm2", max_total_tokens=1024, **flags)
         try:
@@ -68,11 +76,15 @@ def test_smollm2_tp3_greedy_matches_one_rank(ray_cluster):
                 tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                 for q in questions
             ]
-            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            outputs = llm.generate(prompts, params)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+            texts.append([o.outputs[0].text for o in outputs])
         finally:
             llm.shutdown()
-    assert all(len(t) == NEW_TOKENS for t in tokens[0])
+    assert all(len(t) == NEW_TOKENS for t in tokens[0][:2])
     assert tokens[1] == tokens[0]
+    answer = json.loads(texts[0][2])
+    assert set(answer) == {"city", "people"} and texts[1] == texts[0]
 
 
 PENALIZED = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=NEW_TOKENS, ignore_eos=True)
