@@ -141,6 +141,11 @@ def _log_requests_target(value: Any, given: Mapping[str, Any], model: Any) -> st
 # -- the table ------------------------------------------------------------------------------
 
 _NOT_BUILT = "is not built in flotilla's runtime; drop the flag"
+# The values the serving side acts on (tests/serve/test_tool_parsers.py checks these lists
+# against flotilla.serve's parser registries and flotilla.cluster.engine.grammar's backends).
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
+TOOL_CALL_PARSERS = ("deepseekv3", "glm", "glm45", "glm47", "hermes", "kimi_k2", "llama3", "mistral", "pythonic", "qwen", "qwen25")
+REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "glm45", "kimi", "qwen3", "qwen3-thinking", "step3")
 
 _MODEL = _table(
     honored("the model the engines load (a local HF directory, a .gguf file, a hub id in the local HF cache, or smollm2)", "model_path"),
@@ -414,10 +419,10 @@ _KERNELS = _table(
     noop("flotilla never runs flashinfer's autotuner, so there is nothing to turn off or skip", "disable_flashinfer_autotune", "flashinfer_autotune_skip_ops"),
     noop("flotilla has no custom all-reduce kernel: all-reduce is always NCCL (GPU) or gloo (CPU)", "disable_custom_all_reduce"),
     noop("flotilla never fuses all-reduce with RMSNorm, so it is always off", "enforce_disable_flashinfer_allreduce_fusion"),
-    refused(
-        "constrained decoding (grammars) is not built yet; drop the flag",
+    honored(
+        "the grammar backend of structured outputs and forced tool calls (none: such requests get a 400)",
         "grammar_backend",
-        values=(None, "none"),
+        values=GRAMMAR_BACKENDS,
     ),
     refused(
         "flotilla picks its GEMM kernels itself (F.linear, Triton GEMV, Triton block-FP8); drop the flag",
@@ -822,18 +827,29 @@ _SERVING = _table(
         "detokenizer_worker_num",
     ),
     noop("the engines warm up inside their runners before the endpoint reports ready", "skip_server_warmup"),
-    refused(
-        "tool calling, reasoning parsers and thinking controls are not built yet; drop the flag",
+    honored(
+        "the parser that splits reasoning_content from content in chat answers and deltas",
         "reasoning_parser",
+        values=REASONING_PARSERS,
+    ),
+    honored(
+        "the parser that finds tool calls in chat output (tool_choice auto)",
         "tool_call_parser",
+        values=TOOL_CALL_PARSERS,
+    ),
+    honored(
+        "constrained JSON (response_format, forced tool calls) takes no free whitespace: only the canonical ', ' and ': ' separators",
+        "constrained_json_disable_any_whitespace",
+    ),
+    refused(
+        "built-in tool servers and thinking-token controls are not built; drop the flag",
         "tool_server",
         "strip_thinking_cache",
         "enable_strict_thinking",
     ),
     refused(
-        "constrained JSON output is not built yet; drop the flag",
+        "constrained JSON takes any whitespace, or none with --constrained-json-disable-any-whitespace; drop the flag",
         "constrained_json_whitespace_pattern",
-        "constrained_json_disable_any_whitespace",
     ),
     refused(
         "the ingress loads the tokenizer's fast implementation with HuggingFace tokenizers only; drop the flag",

@@ -1,8 +1,11 @@
 """The OpenAI HTTP ingress: ``create_app(engine, tokenizer, options, config)`` -> FastAPI app.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (503 when the engine is dead; no API key needed), ``GET /metrics``
-(the ingress's HTTP metrics merged with the engine side's exposition).
+Routes: ``POST /v1/chat/completions`` (structured outputs, tool calls, reasoning content:
+see docs/api.md), ``POST /v1/responses`` (OpenAI's Responses API, stateless, run as a chat
+request: :mod:`flotilla.serve.openai_responses`), ``POST /v1/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}``,
+``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (503 when the engine is dead;
+no API key needed), ``GET /metrics`` (the ingress's HTTP metrics merged with the engine
+side's exposition).
 
 Elastic EP admin (vLLM's and SGLang's shapes; 404 unless the deployment is elastic,
 ``options.elastic_plan``): ``POST /scale_elastic_ep`` with ``{"new_ep_size": N}`` (vLLM's
@@ -47,6 +50,7 @@ access log to stderr, which Serve collects.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -65,9 +69,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from flotilla.serve.elastic_ep import NEW_EP_SIZE, NEW_EP_SIZE_ALIAS, ElasticScaleError, not_elastic_message
 from flotilla.serve.metrics import merge_expositions
+from flotilla.serve.openai_responses import ResponsesRequest, answer, chat_request_of, responses_params
 from flotilla.cluster.engine.limits import block_size_for
 from flotilla.cluster.models.tokenizer import load_chat_template
-from flotilla.serve.prompts import normalize_prompts, prefix_key, render_chat
+from flotilla.serve.prompts import Prompt, normalize_prompts, prefix_key, render_chat
+from flotilla.serve.assistant_output import AssistantOutput
+from flotilla.serve.reasoning_parsers import reasoning_parser_for
+from flotilla.serve.structured_outputs import guided_decoding_of
+from flotilla.serve.tool_parsers import tool_parser_for
+from flotilla.serve.tokenization import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from flotilla.serve.tools import plan_tools
 from flotilla.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -100,7 +111,7 @@ CLIENT_CLOSED = 499
 # Routes that change or inspect the deployment itself: with --admin-api-key they need that key
 # (the user --api-key does not open them); without it they need --api-key like every route.
 ADMIN_ROUTES = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", *ADMIN_ROUTES)
+_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", *ADMIN_ROUTES)
 # Route labels of paths with a parameter (one label each, so a client cannot mint series).
 _ROUTE_PREFIXES = (("/v1/models/", "/v1/models/{id}"),)
 # Logged at DEBUG: probes, scrapes and scale polls are frequent.
@@ -136,6 +147,10 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await ingress.handle(request, ingress.chat)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await ingress.handle(request, ingress.responses)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await ingress.handle(request, ingress.completions)
@@ -147,6 +162,14 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         return await ingress.handle(request, lambda _: ingress.model(model_id))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await ingress.handle(request, ingress.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await ingress.handle(request, ingress.detokenize)
 
     @app.post("/scale_elastic_ep")
     async def scale_elastic_ep(request: Request) -> Response:
@@ -350,6 +373,12 @@ class _Ingress:
         self.template_kwargs = dict(getattr(config, "default_chat_template_kwargs", None) or {})
         self.request_log = RequestLogSettings.of(config)
         self.block_size = block_size_for(config)  # NOTE: a prefix key covers one KV block
+        # --tool-call-parser and --reasoning-parser (an unknown name fails here, at start).
+        self.tool_call_parser = getattr(config, "tool_call_parser", None) or None
+        if self.tool_call_parser is not None:
+            tool_parser_for(self.tool_call_parser, [])
+        name = getattr(config, "reasoning_parser", None) or None
+        self.reasoning_parser = reasoning_parser_for(name) if name is not None else None
         self.registry = CollectorRegistry(auto_describe=True)
         self.http_requests = Counter(
             "flotilla:http_requests",
@@ -392,6 +421,18 @@ class _Ingress:
                 logger.warning("elastic EP state unavailable for /v1/models: %s", exc)
             body["data"][0].update(ep_size=ep_size, max_ep_size=plan.max_ep_size)
         return body
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` (see :mod:`flotilla.serve.tokenization`)."""
+        req = parse_request(TokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        return JSONResponse(tokenize(req, self.tokenizer, self.chat_template, self.template_kwargs, self.max_model_len))
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` (see :mod:`flotilla.serve.tokenization`)."""
+        req = parse_request(DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        return JSONResponse(detokenize(req, self.tokenizer, None))
 
     # -- elastic EP admin ------------------------------------------------------------------------
 
@@ -485,21 +526,68 @@ class _Ingress:
     async def chat(self, request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
-        params = req.to_sampling_params()
+        params, prompt, assistant = self.prepare_chat(req)
+        job = self._job(request, req, "chat", f"chatcmpl-{request.state.request_id}", params, [prompt])
+        job.assistant = assistant
+        return await self._run(request, job, params, bool(req.stream), "messages", req.priority)
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: OpenAI's Responses API, stateless, run as a chat request
+        (see :mod:`flotilla.serve.openai_responses`); errors name the Responses parameter."""
+        req = parse_request(ResponsesRequest, await self._body(request))
+        self._check_model(req.model)
+        rid = request.state.request_id
+        with responses_params():
+            chat_req = chat_request_of(req)
+            params, prompt, assistant = self.prepare_chat(chat_req)
+            job = self._job(request, chat_req, "chat", f"resp_{rid}", params, [prompt])
+            job.assistant = assistant
+            streams = await self._start(request, job, params, "input")
+        return await answer(req, job, streams, _SSEResponse)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[Any, Prompt, Any]:
+        """A chat request's sampling parameters (with its output constraint: a forced tool
+        call, ``response_format`` or the extras), its rendered prompt (tools included), and
+        the maker of each choice's :class:`AssistantOutput`; APIError(400) naming the parameter."""
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
+        guided = guided_decoding_of(req, req.response_format)
+        forced = tools.guided() if tools is not None else None
+        if forced is not None and guided is not None:
+            raise bad_request(
+                f"tool_choice {tools.mode!r} forces a tool call and cannot be combined with {guided.param}; send one of them",
+                "tool_choice",
+            )
+        guided = forced or guided
+        params = req.to_sampling_params(guided)  # NOTE: first: it checks what the template gets too
         prompt = render_chat(
             self.tokenizer,
             req.messages,
             chat_template=self.chat_template,
             add_generation_prompt=req.add_generation_prompt is not False,
             template_kwargs={**self.template_kwargs, **(req.chat_template_kwargs or {})},
+            tools=tools.template_tools if tools is not None else None,
         )
-        job = self._job(request, req, "chat", f"chatcmpl-{request.state.request_id}", params, [prompt])
-        return await self._run(request, job, params, bool(req.stream), "messages", req.priority)
+        parser = self.reasoning_parser
+        in_reasoning = parser is not None and parser.starts_in_reasoning(prompt.text)
+        if guided is not None and parser is not None:
+            # NOTE: the constraint applies after the reasoning section, whether or not it is split off.
+            encode = self.tokenizer.encode
+            gated = dataclasses.replace(
+                guided,
+                reasoning_start=tuple(encode(parser.start, add_special_tokens=False)),
+                reasoning_end=tuple(encode(parser.end, add_special_tokens=False)),
+                starts_in_reasoning=in_reasoning,
+            )
+            params = dataclasses.replace(params, guided=gated)
+        split = parser if req.separate_reasoning is not False else None
+        if split is None and tools is None:
+            return params, prompt, None
+        return params, prompt, lambda: AssistantOutput(split, in_reasoning and split is not None, tools)
 
     async def completions(self, request: Request) -> Response:
         req = parse_request(CompletionRequest, await self._body(request))
         self._check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(guided_decoding_of(req))
         prompts = normalize_prompts(req.prompt, self.tokenizer, self.options.max_prompts_per_request)
         job = self._job(request, req, "completion", f"cmpl-{request.state.request_id}", params, prompts)
         return await self._run(request, job, params, bool(req.stream), "prompt", req.priority)
@@ -518,6 +606,22 @@ class _Ingress:
     async def _run(
         self, request: Request, job: GenerationJob, params, stream: bool, prompt_param: str, priority: int | None = None
     ) -> Response:
+        streams = await self._start(request, job, params, prompt_param, priority)
+        if stream:
+            frames = chat_frames(job, streams) if job.kind == "chat" else completion_frames(job, streams)
+            return _SSEResponse(frames, headers={"Cache-Control": "no-cache"}, streams=streams)
+        try:
+            response = await respond(job, streams)
+        finally:
+            await streams.close()
+        # NOTE: pydantic's JSON writes a non-finite logprob as null; json.dumps would refuse it.
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _start(
+        self, request: Request, job: GenerationJob, params, prompt_param: str, priority: int | None = None
+    ) -> EngineStreams:
+        """Send the job's prompts to the engine and wait for their first chunks (refusals
+        raise as the APIError the client gets, every stream closed)."""
         rid, arrival = request.state.request_id, request.state.arrival_time
         count = len(job.prompts)
         many = count > 1
@@ -538,15 +642,7 @@ class _Ingress:
             raise engine_error(exc, prompt_param) from None
         streams = EngineStreams(iterators, prompt_param)
         await streams.start()
-        if stream:
-            frames = chat_frames(job, streams) if job.kind == "chat" else completion_frames(job, streams)
-            return _SSEResponse(frames, headers={"Cache-Control": "no-cache"}, streams=streams)
-        try:
-            response = await respond(job, streams)
-        finally:
-            await streams.close()
-        # NOTE: pydantic's JSON writes a non-finite logprob as null; json.dumps would refuse it.
-        return Response(response.model_dump_json(), media_type="application/json")
+        return streams
 
     def _prefix_key(self, prompt) -> int | None:
         return prefix_key(prompt.token_ids, self.block_size)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from flotilla.cluster.engine.limits import DEFAULT_BLOCK_SIZE
 from flotilla.serve.protocol import APIError, ChatMessage, bad_request, quote
+from flotilla.serve.tools import template_messages
 
 # Tokens per prefix-routing block when there is no config: the engine's default KV block size.
 DEFAULT_PREFIX_BLOCK = DEFAULT_BLOCK_SIZE
@@ -34,20 +35,25 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Prompt:
-    """Apply the chat template (``add_generation_prompt=True`` by default) and tokenize."""
+    """Apply the chat template (``add_generation_prompt=True`` by default) and tokenize;
+    ``tools`` (OpenAI function tools) go to the template as its ``tools`` variable, and an
+    assistant message's tool-call arguments reach it as objects."""
     if tokenizer is None:
         message = "messages: this server has no tokenizer (skip_tokenizer_init); use /v1/completions with token ids"
         raise bad_request(message, "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: the model has no chat template; start the server with --chat-template", "messages")
-    conversation = [m.template_dict() for m in messages]
+    conversation = template_messages([m.template_dict() for m in messages])
+    extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
             conversation,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
+            **extra,
             **(template_kwargs or {}),
         )
     except APIError:

@@ -205,6 +205,15 @@ class _SamplingRequest(_Strict):
     return_token_ids: bool | None = None
     # vLLM's and SGLang's scheduling priority (--enable-priority-scheduling decides what it means).
     priority: int | None = Field(None, ge=-_INT32_MAX, le=_INT32_MAX)
+    # Output constraints besides response_format (see flotilla.serve.structured_outputs):
+    # vLLM's structured_outputs object and older guided_* fields, SGLang's regex and ebnf.
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    regex: Any = None
+    ebnf: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -217,7 +226,7 @@ class _SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, guided: Any = None) -> SamplingParams:
         self._check_common()
         # NOTE: top_k 0 means "disabled" to many clients; the engine spells that -1.
         top_k = -1 if self.top_k in (None, 0) else self.top_k
@@ -238,6 +247,7 @@ class _SamplingRequest(_Strict):
             logprobs=logprobs,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            guided=guided,
         )
         try:
             return SamplingParams(**fields)
@@ -260,21 +270,20 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    # SGLang's: with --reasoning-parser, return the reasoning as reasoning_content (false:
+    # leave it in content).
+    separate_reasoning: bool | None = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        """The engine's parameters; APIError(400) naming the parameter for bad values."""
-        if self.tools:
-            raise bad_request("tools are not supported by this server; send the request without tools", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request(
-                f"tool_choice needs tools, which this server does not support (got tool_choice={quote(self.tool_choice)})",
-                "tool_choice",
-            )
+    def to_sampling_params(self, guided: Any = None) -> SamplingParams:
+        """The engine's parameters (``guided``: the output constraint, from
+        :func:`~flotilla.serve.structured_outputs.guided_decoding_of` or the tool plan);
+        APIError(400) naming the parameter for bad values."""
         for legacy in ("functions", "function_call"):
             if getattr(self, legacy) is not None:
                 raise bad_request(f"{legacy} (function calling) is not supported by this server; send the request without it", legacy)
@@ -284,11 +293,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 f"chat_template_kwargs must not set {', '.join(reserved)} (the server sets those); send template variables only",
                 "chat_template_kwargs",
             )
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request(
-                f"response_format {quote(self.response_format)} is not supported; only {{'type': 'text'}} is",
-                "response_format",
-            )
         if self.top_logprobs and not self.logprobs:
             raise bad_request(
                 f"top_logprobs needs logprobs=true (got top_logprobs={self.top_logprobs}, logprobs={self.logprobs})",
@@ -296,7 +300,7 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, guided)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -324,15 +328,16 @@ class CompletionRequest(_SamplingRequest):
             )
         return value
 
-    def to_sampling_params(self) -> SamplingParams:
-        """The engine's parameters; APIError(400) naming the parameter for what is unsupported."""
+    def to_sampling_params(self, guided: Any = None) -> SamplingParams:
+        """The engine's parameters (``guided``: the output constraint); APIError(400) naming
+        the parameter for what is unsupported."""
         if self.echo:
             raise bad_request("echo=true is not supported by this server; send echo=false", "echo")
         if self.suffix:
             raise bad_request(f"suffix is not supported by this server (got suffix={quote(self.suffix)})", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request(f"best_of must equal n here (got best_of={self.best_of}, n={self.n})", "best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, guided)
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -373,8 +378,13 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The answer's message: ``reasoning_content`` with ``--reasoning-parser``,
+    ``tool_calls`` when the model called tools (then ``content`` may be null)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -400,6 +410,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's tool-call deltas (index, id, function)
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # a delta carries only what changed

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 from pydantic import BaseModel
 
 from flotilla.cluster.engine.outputs import StepLogprobs
+from flotilla.serve.assistant_output import AssistantOutput, Message, Piece, tool_call_dicts, tool_delta_dicts
 from flotilla.serve.prompts import Prompt
 from flotilla.serve.protocol import (
     APIError,
@@ -255,6 +256,8 @@ class GenerationJob:
         texts: with ``keep_text``, each choice's text pieces so far, by choice index.
         replicas: per prompt index, (engine replica, prefill replica or "") from its first
             chunk that names one (the access log's ``replica``).
+        assistant: chat: makes the :class:`AssistantOutput` that splits a choice's text into
+            reasoning, content and tool calls (None: the text is the content).
     """
 
     kind: str
@@ -271,6 +274,32 @@ class GenerationJob:
     keep_text: bool = False
     texts: dict[int, list[str]] = field(default_factory=dict)
     replicas: dict[int, tuple[str, str]] = field(default_factory=dict)
+    assistant: Callable[[], AssistantOutput] | None = None
+    _outputs: dict[int, AssistantOutput] = field(default_factory=dict)
+
+    def output_of(self, index: int) -> AssistantOutput | None:
+        """Choice ``index``'s :class:`AssistantOutput` (None without ``assistant``)."""
+        if self.assistant is None:
+            return None
+        if index not in self._outputs:
+            self._outputs[index] = self.assistant()
+        return self._outputs[index]
+
+    def message(self, index: int, text: str, finish_reason: str | None) -> Message:
+        """Choice ``index``'s whole message parts."""
+        output = self.output_of(index)
+        return Message(None, text, [], finish_reason) if output is None else output.whole(text, finish_reason)
+
+    def piece(self, index: int, c: CompletionChunk) -> tuple[Piece, str | None]:
+        """What a streamed chunk adds to choice ``index``'s message, and its finish reason."""
+        output = self.output_of(index)
+        if output is None:
+            return Piece(content=c.text), c.finish_reason
+        piece = output.feed(c.text)
+        if c.finish_reason is None:
+            return piece, None
+        tail, finish = output.finish(c.finish_reason)
+        return piece.add(tail), finish
 
     def record(self, i: int, chunk: GenerateChunk) -> None:
         """Take note of prompt ``i``'s chunk: the replicas that served it (its first chunk
@@ -362,15 +391,20 @@ async def respond(job: GenerationJob, streams: EngineStreams) -> ChatCompletionR
     ordered = [(index, choices[index]) for index in sorted(choices)]
     ids = job.return_token_ids
     if job.kind == "chat":
+        messages = {index: job.message(index, c.text, c.finish_reason) for index, c in ordered}
         return ChatCompletionResponse(
             **head,
             prompt_token_ids=job.prompt_ids(0),
             choices=[
                 ChatChoice(
                     index=index,
-                    message=AssistantMessage(content=c.text),
+                    message=AssistantMessage(
+                        content=messages[index].content,
+                        reasoning_content=messages[index].reasoning,
+                        tool_calls=tool_call_dicts(messages[index].tool_calls) or None,
+                    ),
                     logprobs=job.chat_logprobs(c.token_ids, c.steps) if job.top_logprobs is not None else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=messages[index].finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if ids else None,
                 )
@@ -413,13 +447,21 @@ async def chat_frames(job: GenerationJob, streams: EngineStreams) -> AsyncIterat
             i, chunk = item
             check_chunk(chunk)
             for c in chunk.completions:
+                index = i * job.n + c.index
                 lp = job.chat_logprobs(c.token_ids, c.logprobs)
-                if job.worth_a_frame(c, lp):
+                piece, finish = job.piece(index, c)
+                ids = job.return_token_ids and bool(c.token_ids)
+                if piece or ids or lp is not None or finish is not None:
+                    delta = DeltaMessage(
+                        content=piece.content or None,
+                        reasoning_content=piece.reasoning or None,
+                        tool_calls=tool_delta_dicts(piece.tool_calls) or None,
+                    )
                     choice = ChatStreamChoice(
-                        index=i * job.n + c.index,
-                        delta=DeltaMessage(content=c.text or None),
+                        index=index,
+                        delta=delta,
                         logprobs=lp,
-                        finish_reason=c.finish_reason,
+                        finish_reason=finish,
                         stop_reason=c.stop_reason,
                         token_ids=job.new_ids(c),
                     )

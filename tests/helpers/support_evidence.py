@@ -31,6 +31,9 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/cluster/engine/test_field_effects.py::test_chunked_prefill_size_splits_a_long_prompt_into_chunks_of_that_size",
         "tests/cluster/engine/test_llm.py::test_small_token_budget_chunks_prefill_and_still_equals_hf",
     ),
+    "constrained_json_disable_any_whitespace": (
+        "tests/cluster/engine/test_grammar.py::test_disable_any_whitespace_gives_canonical_json",
+    ),
     "context_length": (
         "tests/cluster/engine/test_field_effects.py::test_context_length_bounds_a_request",
     ),
@@ -155,6 +158,10 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "expert_distribution_recorder_mode": (
         "tests/cluster/models/test_expert_load.py::test_engine_counts_match_hf_router_choices",
     ),
+    "grammar_backend": (
+        "tests/cluster/engine/test_grammar.py::test_each_backend_keeps_sampled_output_inside_the_constraint",
+        "tests/cluster/engine/test_grammar.py::test_grammar_backend_none_refuses_constrained_requests",
+    ),
     "hicache_ratio": (
         "tests/cluster/engine/test_host_kv_tier.py::test_engine_with_a_host_tier_preempts_loads_and_still_equals_hf",
     ),
@@ -242,6 +249,9 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "random_seed": (
         "tests/cluster/engine/test_field_effects.py::test_random_seed_seeds_requests_without_their_own_seed",
     ),
+    "reasoning_parser": (
+        "tests/serve/test_agent_api.py::test_the_reasoning_parser_splits_reasoning_content",
+    ),
     "revision": (
         "tests/cluster/models/test_revision.py::test_revision_picks_the_snapshot",
         "tests/cluster/models/test_revision.py::test_llm_loads_the_revision",
@@ -282,6 +292,10 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     ),
     "tokenizer_path": (
         "tests/cluster/engine/test_field_effects.py::test_tokenizer_path_loads_the_tokenizer_from_another_directory",
+    ),
+    "tool_call_parser": (
+        "tests/serve/test_agent_api.py::test_auto_tool_choice_parses_hermes_calls_from_the_output",
+        "tests/serve/test_agent_api.py::test_bad_agent_requests_get_400s_naming_the_parameter_and_the_server_keeps_serving",
     ),
     "tp_size": (
         "tests/cluster/engine/test_llm_tp.py::test_tp2_greedy_matches_tp1",
