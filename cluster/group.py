@@ -284,9 +284,10 @@ class WorkerGroup:
         return self.execute_leaders(StepBatch(schedule, tuple(rows)))
 
     def execute_logits(self, schedule: Any) -> list[Any]:
-        """Run one scheduled step on every rank; returns each DP rank's float32 logits
-        ``[N_d, V]`` of its part's sampling requests, in DP order (one entry without DP
-        attention); the driver concatenates and samples them."""
+        """Run one scheduled step on every rank; returns each DP rank's ``(logits, pooled)``:
+        the float32 logits ``[N_d, V]`` of its part's sampling requests and its embedding
+        requests' vectors by row, in DP order (one entry without DP attention); the driver
+        concatenates and samples them."""
         return self.execute_leaders(StepBatch(schedule, (), return_logits=True))
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:

@@ -65,8 +65,9 @@ class StepBatch:
             (DP-major under DP attention; each DP rank samples its own slice).
         return_logits: when True, each DP rank's leader (rank 0 without DP attention)
             returns the float32 logits ``[N, V]`` of its part's N sampling requests
-            (schedule order) instead of sampled tokens, and ``rows`` is ignored: the driver
-            samples (its seeded generators keep their state there).
+            (schedule order), with its embedding requests' pooled vectors by row, instead of
+            sampled tokens, and ``rows`` is ignored: the driver samples (its seeded
+            generators keep their state there).
 
         pipelined: launch this step and return the PREVIOUS pipelined step's tokens, once
             this one is queued on the device (overlap scheduling across the group, see
@@ -368,8 +369,9 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: expert_load() before load()")
         return self.runner.expert_load()
 
-    def _step_logits(self, schedule: SchedulerOutput) -> torch.Tensor:
-        """Forward one step; the float32 logits ``[N, V]`` of its N sampling requests (on CPU).
+    def _step_logits(self, schedule: SchedulerOutput) -> tuple[torch.Tensor, dict]:
+        """Forward one step; the float32 logits ``[N, V]`` of its N sampling requests (on CPU),
+        and the pooled vectors of its embedding requests' rows (``ModelRunner.last_pooled``).
 
         A pure decode step replays this rank's decode CUDA graph when it has one (every rank
         of the group decides alike from the same step); an empty part (an idle DP rank) still
@@ -378,7 +380,7 @@ class Worker:
         NOTE: compute_logits all-gathers the vocab shards over attention TP: every rank of
         this DP rank runs the same part, so all of them reach that collective."""
         with torch.inference_mode():
-            return self.runner.step_logits(schedule).float().cpu()
+            return self.runner.step_logits(schedule).float().cpu(), dict(self.runner.last_pooled)
 
     # -- KV transfer (prefill/decode disaggregation): this rank's port ------------------
     # NOTE: per-rank calls, no collectives: a rank's failure leaves its peers in step.

@@ -626,6 +626,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
             chunk.text += delta.text
             if delta.logprobs is not None:
                 chunk.logprobs = (chunk.logprobs or []) + list(delta.logprobs)
+            if delta.embedding is not None:
+                chunk.embedding = delta.embedding
             if delta.finish_reason is not None:
                 chunk.finish_reason, chunk.stop_reason = delta.finish_reason, delta.stop_reason
                 live.finished_indexes.add(delta.index)

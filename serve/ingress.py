@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions`` (structured outputs, tool calls, reasoning content:
 see docs/api.md), ``POST /v1/responses`` (OpenAI's Responses API, stateless, run as a chat
 request: :mod:`flotilla.serve.openai_responses`), ``POST /v1/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}``,
-``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (503 when the engine is dead;
+``POST /v1/embeddings`` (:mod:`flotilla.serve.embeddings`), ``POST /tokenize`` and
+``POST /detokenize``, ``GET /health`` (503 when the engine is dead;
 no API key needed), ``GET /metrics`` (the ingress's HTTP metrics merged with the engine
 side's exposition).
 
@@ -77,6 +78,7 @@ from flotilla.serve.assistant_output import AssistantOutput
 from flotilla.serve.reasoning_parsers import reasoning_parser_for
 from flotilla.serve.structured_outputs import guided_decoding_of
 from flotilla.serve.tool_parsers import tool_parser_for
+from flotilla.serve.embeddings import EmbeddingRequest, embedding_inputs, embedding_response
 from flotilla.serve.tokenization import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from flotilla.serve.tools import plan_tools
 from flotilla.serve.protocol import (
@@ -111,7 +113,7 @@ CLIENT_CLOSED = 499
 # Routes that change or inspect the deployment itself: with --admin-api-key they need that key
 # (the user --api-key does not open them); without it they need --api-key like every route.
 ADMIN_ROUTES = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
-_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", *ADMIN_ROUTES)
+_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", *ADMIN_ROUTES)
 # Route labels of paths with a parameter (one label each, so a client cannot mint series).
 _ROUTE_PREFIXES = (("/v1/models/", "/v1/models/{id}"),)
 # Logged at DEBUG: probes, scrapes and scale polls are frequent.
@@ -162,6 +164,10 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         return await ingress.handle(request, lambda _: ingress.model(model_id))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await ingress.handle(request, ingress.embeddings)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -421,6 +427,22 @@ class _Ingress:
                 logger.warning("elastic EP state unavailable for /v1/models: %s", exc)
             body["data"][0].update(ep_size=ep_size, max_ep_size=plan.max_ep_size)
         return body
+
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings`` (see :mod:`flotilla.serve.embeddings`)."""
+        req = parse_request(EmbeddingRequest, await self._body(request))
+        self._check_model(req.model)
+        params = req.sampling_params()
+        prompts = embedding_inputs(req, self.tokenizer, self.options.max_prompts_per_request)
+        rid = request.state.request_id
+        job = GenerationJob("embedding", f"embd-{rid}", self.served_model, 1, prompts, None, False, self._decode)
+        request.state.job = job  # NOTE: the access log reads its usage
+        streams = await self._start(request, job, params, "input")
+        try:
+            body = await embedding_response(req, job, streams)
+        finally:
+            await streams.close()
+        return JSONResponse(body)
 
     async def tokenize(self, request: Request) -> Response:
         """``POST /tokenize`` (see :mod:`flotilla.serve.tokenization`)."""

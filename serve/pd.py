@@ -75,9 +75,10 @@ HEALTH_WAIT_S = 0.8
 
 def takes_handoff(params: Any) -> bool:
     """Whether a KV handoff can carry a request with these sampling parameters: one
-    completion and no logprobs (``LLMEngine.add_prefilled_request``'s limits); other
-    requests run whole on a decode replica."""
-    return params.n == 1 and params.logprobs is None
+    completion and no logprobs (``LLMEngine.add_prefilled_request``'s limits), not an
+    embedding request (it ends where its prompt does); other requests run whole on a
+    decode replica."""
+    return params.n == 1 and params.logprobs is None and getattr(params, "pooling", None) is None
 
 
 def ends_at_first_token(request: GenerateRequest, ticket: PrefillTicket) -> bool:

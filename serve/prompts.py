@@ -64,11 +64,11 @@ def render_chat(
     return Prompt(list(tokenizer.encode(text, add_special_tokens=False)), text)
 
 
-def normalize_prompts(prompt: Any, tokenizer: Any, max_prompts: int | None = None) -> list[Prompt]:
+def normalize_prompts(prompt: Any, tokenizer: Any, max_prompts: int | None = None, param: str = "prompt") -> list[Prompt]:
     """``/v1/completions``' ``prompt`` as a list of prompts: a string, a list of strings
     (several prompts), a list of token ids (one), or a list of token-id lists (several);
     at most ``max_prompts`` of them (``--max-prompts-per-request``; None: any number),
-    checked before anything is tokenized."""
+    checked before anything is tokenized. Errors name ``param`` (``input`` for embeddings)."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -76,29 +76,29 @@ def normalize_prompts(prompt: Any, tokenizer: Any, max_prompts: int | None = Non
     else:
         items = list(prompt or [])
     if not items:
-        raise bad_request("prompt is empty; give a string, token ids, or a non-empty list of them", "prompt")
+        raise bad_request(f"{param} is empty; give a string, token ids, or a non-empty list of them", param)
     if max_prompts is not None and len(items) > max_prompts:
         raise bad_request(
-            f"prompt holds {len(items)} prompts and this server takes at most {max_prompts} per request "
+            f"{param} holds {len(items)} prompts and this server takes at most {max_prompts} per request "
             "(--max-prompts-per-request); send the others in further requests",
-            "prompt",
+            param,
         )
     out = []
     for i, item in enumerate(items):
-        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        where = param if len(items) == 1 else f"{param}[{i}]"
         if isinstance(item, str):
             if not item:
-                raise bad_request(f"{where} is an empty string; give some text", "prompt")
+                raise bad_request(f"{where} is an empty string; give some text", param)
             if tokenizer is None:
                 message = f"{where}: this server has no tokenizer (skip_tokenizer_init); send token ids"
-                raise bad_request(message, "prompt")
+                raise bad_request(message, param)
             out.append(Prompt(list(tokenizer.encode(item)), item))
         else:
             ids = list(item)
             if not ids:
-                raise bad_request(f"{where} is an empty token list; give at least one token id", "prompt")
+                raise bad_request(f"{where} is an empty token list; give at least one token id", param)
             if any(t < 0 for t in ids):
-                raise bad_request(f"{where} holds a negative token id (got {quote(min(ids))})", "prompt")
+                raise bad_request(f"{where} holds a negative token id (got {quote(min(ids))})", param)
             out.append(Prompt(ids))
     return out
 

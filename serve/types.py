@@ -61,6 +61,7 @@ class CompletionChunk:
         logprobs: per new token, the candidates, when logprobs were asked for.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` on the last chunk.
         stop_reason: the stop string or stop token id that ended it.
+        embedding: an embedding request's vector (``SamplingParams.pooling``), on its only chunk.
     """
 
     index: int
@@ -69,6 +70,7 @@ class CompletionChunk:
     logprobs: list[StepLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass

@@ -276,10 +276,16 @@ class GroupRunner:
                 raise ValueError(f"{len(rows)} sampling rows for {len(tokens)} sampled tokens")
             return tokens
         parts = self.group.execute_logits(step)
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        logits = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], dim=0)
         if len(rows) != logits.shape[0]:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
-        return self.sampler(logits, rows)
+        tokens = self.sampler(logits, rows)
+        offset = 0
+        for part_logits, pooled in parts:  # NOTE: embedding requests' vectors, by DP part
+            for row, vector in pooled.items():
+                tokens[offset + row].embedding = vector
+            offset += part_logits.shape[0]
+        return tokens
 
     # -- elastic EP: growing the group ---------------------------------------------------
 

@@ -249,6 +249,9 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use; request ids must be unique")
         max_tokens = self._validate(prompt_token_ids, params)
+        if params.pooling is not None:
+            _check_pooling(params, hold_kv)
+            max_tokens = 1  # NOTE: the step that would sample its first token pools instead
         level = self.priority_of(priority)
         output = RequestOutput(request_id, prompt, prompt_token_ids, [])
         parent = _Parent(output, streaming=stream)
@@ -260,7 +263,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             if child_id in self._sequences:
                 raise ValueError(f"request_id {request_id!r} clashes with a live completion {child_id!r}; use another id")
-            requests.append(Request(child_id, prompt_token_ids, max_tokens, sampling_params=child, priority=level))
+            skip_cache = child.pooling == "mean"
+            requests.append(Request(child_id, prompt_token_ids, max_tokens, sampling_params=child, priority=level, skip_prefix_cache=skip_cache))
         limit = self.scheduler.max_tokens_per_request()
         if len(prompt_token_ids) + max_tokens > limit:
             raise ValueError(
@@ -557,6 +561,8 @@ class LLMEngine:
 
     def _update(self, seq: _Sequence, sampled: SampledToken) -> CompletionDelta:
         """Record one sampled token of ``seq``; check the stop conditions; return its delta."""
+        if seq.params.pooling is not None:
+            return self._pooled(seq, sampled)
         params, completion, token = seq.params, seq.completion, sampled.token_id
         completion.token_ids.append(token)
         step_logprobs = self._record_logprobs(completion, sampled) if params.logprobs is not None else None
@@ -603,6 +609,19 @@ class LLMEngine:
             error=error,
         )
         return delta
+
+    def _pooled(self, seq: _Sequence, sampled: SampledToken) -> CompletionDelta:
+        """An embedding request's step: its vector instead of a token; it ends at once."""
+        request_id = seq.parent.output.request_id
+        error = None
+        if sampled.embedding is None:
+            error = "the runner returned no embedding for a pooling request"
+            seq.parent.output.error = error
+        finish = "stop" if error is None else "error"
+        seq.completion.embedding = sampled.embedding
+        self.scheduler.finish(seq.request.request_id, _FINISH_STATUS[finish])
+        self._finish(seq, finish, None)
+        return CompletionDelta(request_id, seq.completion.index, [], "", None, finish, None, error=error, embedding=sampled.embedding)
 
     def _record_logprobs(self, completion: CompletionOutput, sampled: SampledToken) -> StepLogprobs:
         decode = self._token_text
@@ -797,6 +816,15 @@ class LLMEngine:
         empty for a runner that keeps none (a Ray worker group)."""
         report = getattr(self.runner, "startup_report", None)
         return report() if report is not None else {}
+
+
+def _check_pooling(params: SamplingParams, hold_kv: bool) -> None:
+    """An embedding request takes one completion and nothing that belongs to sampling."""
+    if params.n != 1 or params.logprobs is not None or params.guided is not None or hold_kv:
+        raise ValueError(
+            f"pooling={params.pooling!r} (an embedding request) takes n=1, no logprobs, no output constraint and "
+            f"no KV handoff (got n={params.n}, logprobs={params.logprobs}, guided={params.guided is not None})"
+        )
 
 
 def _require_handoff_support(scheduler: Any) -> None:

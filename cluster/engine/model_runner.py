@@ -34,6 +34,7 @@ from flotilla.cluster.engine.limits import DEFAULT_BLOCK_SIZE, block_size_for, m
 from flotilla.cluster.kv.port import KVPort
 from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.overlap import PENDING_TOKEN, TokenFeed
+from flotilla.cluster.engine.pooling import HiddenPooler, pools
 from flotilla.cluster.engine.sampler import SampledBatch, SampledToken, Sampler, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -151,6 +152,9 @@ class ModelRunner:
                 rms_norm_linear=registry.get("rms_norm_linear", self.backends.linear),
             )
         self.load_recorder = self._make_load_recorder(config)
+        # Embedding requests' pooling, and the last step's pooled rows (row -> vector).
+        self.pooler = HiddenPooler()
+        self.last_pooled: dict[int, list[float] | None] = {}
         self.vocab_size = int(source.config_dict["vocab_size"])
         self._synchronize()
         loaded = time.perf_counter()
@@ -369,7 +373,9 @@ class ModelRunner:
             return None
         if len(rows) != logits.shape[0]:
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
-        return self.sampler.launch(logits, rows)
+        batch = self.sampler.launch(logits, rows)
+        batch.embeddings = self.last_pooled
+        return batch
 
     @torch.inference_mode()
     def step_logits(self, step: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor:
@@ -378,18 +384,23 @@ class ModelRunner:
 
         A pure decode step that fits a captured CUDA graph replays it (every row's logits,
         valid until the next step); any other step runs eagerly (attention planned once, then
-        the forward). ``feed``: see :meth:`launch`."""
+        the forward). ``feed``: see :meth:`launch`. A step with an embedding request runs
+        eagerly and leaves its pooled rows in :attr:`last_pooled`."""
         self._move_host_kv(step)
         input_ids, positions, meta, sample_index = self.prepare_inputs(step, allow_pending=feed is not None)
         if feed is not None:
             _feed_pending_tokens(input_ids, step, feed)
-        if self.graphs is not None:
+        pooling = pools(step)
+        self.last_pooled = {}
+        if self.graphs is not None and not pooling:
             logits = self.graphs.run(input_ids, positions, meta)
             if logits is not None:
                 # NOTE: in a decode step the sampling rows are the first rows in order, so
                 # equal counts mean every row samples.
                 return logits if sample_index.shape[0] == logits.shape[0] else logits.index_select(0, sample_index)
         hidden = self.forward(input_ids, positions, meta)
+        if pooling:
+            self.last_pooled = self.pooler.pool(step, hidden)
         if sample_index.shape[0] == 0:
             return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, sample_index))

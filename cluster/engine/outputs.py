@@ -41,6 +41,8 @@ class CompletionOutput:
             context limit), ``"abort"``, ``"error"`` (the engine failed it: see
             ``RequestOutput.error``), or ``None`` while running.
         stop_reason: the stop string or stop token id that ended it (``None`` for eos or length).
+        embedding: an embedding request's pooled vector (``SamplingParams.pooling``; float32
+            values, unit L2 norm); such a completion has no tokens.
     """
 
     index: int
@@ -50,6 +52,7 @@ class CompletionOutput:
     logprobs: list[StepLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    embedding: list[float] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -102,6 +105,7 @@ class CompletionDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, on its last delta
 
     @property
     def finished(self) -> bool:

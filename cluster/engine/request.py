@@ -88,6 +88,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = -1
     priority: int = 0
+    # Computes every prompt token (no prefix-cache hit): a mean-pooled embedding needs each
+    # position's hidden state, which a cached block does not hold.
+    skip_prefix_cache: bool = False
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(default_factory=list, init=False)
     num_computed_tokens: int = field(default=0, init=False)

@@ -105,6 +105,8 @@ class SampledBatch:
         self.token_ids = token_ids
         self._raw_logprobs = raw_logprobs
         self._rows = rows
+        # Embedding requests' vectors by row (set by the runner that pooled them).
+        self.embeddings: dict[int, list[float] | None] = {}
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         if token_ids.is_cuda and raw_logprobs is None:
@@ -121,8 +123,12 @@ class SampledBatch:
         else:
             ids = self.token_ids.tolist()
         if self._raw_logprobs is None:
-            return [SampledToken(t) for t in ids]
-        return _with_logprobs(ids, self._raw_logprobs, self._rows, self.token_ids)
+            tokens = [SampledToken(t) for t in ids]
+        else:
+            tokens = _with_logprobs(ids, self._raw_logprobs, self._rows, self.token_ids)
+        for row, vector in self.embeddings.items():
+            tokens[row].embedding = vector
+        return tokens
 
 
 class Sampler:

@@ -547,7 +547,9 @@ class Scheduler:
         if self._slots_used() >= self.config.max_num_seqs:
             return None
         cached_blocks, num_cached = self.pool.match_prefix(request.all_token_ids, request.block_hashes)
-        host_keys = self._host_hits(request, len(cached_blocks))
+        if request.skip_prefix_cache:
+            cached_blocks, num_cached = [], 0  # NOTE: the match only extended block_hashes
+        host_keys = self._host_hits(request, len(cached_blocks)) if not request.skip_prefix_cache else []
         num_cached += len(host_keys) * self.pool.block_size
         num_new = request.num_tokens - num_cached
         if num_new > budget:

@@ -366,3 +366,53 @@ def test_litellm_completion_with_a_schema_and_a_forced_tool(served):
     out = litellm.completion(messages=ASK_WEATHER, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, **common)
     (call,) = out.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+# -- embeddings ------------------------------------------------------------------------------------------
+
+
+def test_embeddings_are_deterministic_distinct_and_agree_across_encodings(served):
+    """SmolLM2's normalised final hidden states through the engine (the vectors themselves are
+    checked against HF in tests/cluster/engine/test_pooling.py). Batched and one by one: the
+    same float32 computation except for the batch's summation order (SmolLM2's logits agree
+    with HF to 3e-5 at magnitude ~30, i.e. ~1e-6 relative; a unit vector's 576 components are
+    ~0.04 each), so 1e-4 leaves ample room while another input's vector differs by > 1e-2."""
+    import base64
+
+    import numpy as np
+
+    api = client(served["plain"])
+    texts = ["The cat sat on the mat.", "Quantum chromodynamics describes quarks.", "The cat sat on the mat."]
+    batch, one, base64_batch, mean = together(
+        lambda: api.embeddings.create(model=MODEL, input=texts),
+        lambda: api.embeddings.create(model=MODEL, input=texts[1]),
+        lambda: httpx.post(f"{served['plain']}/v1/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "base64"}, timeout=60).json(),
+        lambda: httpx.post(f"{served['plain']}/v1/embeddings", json={"model": MODEL, "input": texts[0], "pooling": "mean"}, timeout=60).json(),
+    )
+    vectors = [np.array(d.embedding) for d in sorted(batch.data, key=lambda d: d.index)]
+    assert [d.index for d in batch.data] == [0, 1, 2] and all(len(v) == 576 for v in vectors)
+    assert batch.usage.prompt_tokens == batch.usage.total_tokens > 0
+    assert np.array_equal(vectors[0], vectors[2])  # NOTE: the same input, the same computation
+    assert all(abs(np.linalg.norm(v) - 1) < 1e-5 for v in vectors)
+    assert float(vectors[0] @ vectors[1]) < 0.999
+    np.testing.assert_allclose(np.array(one.data[0].embedding), vectors[1], atol=1e-4)
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in base64_batch["data"]]
+    np.testing.assert_array_equal(decoded[0], vectors[0].astype(np.float32))
+    mean_vector = np.array(mean["data"][0]["embedding"])
+    assert float(mean_vector @ vectors[0]) < 0.999
+    tokens = httpx.post(f"{served['plain']}/tokenize", json={"prompt": texts[0]}).json()["tokens"]
+    by_ids = api.embeddings.create(model=MODEL, input=[tokens])
+    np.testing.assert_allclose(np.array(by_ids.data[0].embedding), vectors[0], atol=1e-4)
+
+
+def test_bad_embedding_requests_get_400s_and_the_server_keeps_serving(served):
+    url = f"{served['plain']}/v1/embeddings"
+    assert_400(httpx.post(url, json={"model": MODEL, "input": []}), "input")
+    assert_400(httpx.post(url, json={"model": MODEL, "input": ""}), "input")
+    assert_400(httpx.post(url, json={"model": MODEL, "input": [[10**9]]}), "input")
+    assert_400(httpx.post(url, json={"model": MODEL, "input": "a " * 9000}), "input")
+    assert_400(httpx.post(url, json={"model": MODEL, "input": "hi", "encoding_format": "int8"}), "encoding_format")
+    assert_400(httpx.post(url, json={"model": MODEL, "input": "hi", "pooling": "max"}), "pooling")
+    assert_400(httpx.post(url, json={"model": MODEL, "input": "hi", "dimensions": 64}), "dimensions")
+    assert httpx.post(url, json={"model": "other", "input": "hi"}).status_code == 404
+    assert len(client(served["plain"]).embeddings.create(model=MODEL, input="still here").data[0].embedding) == 576

@@ -272,3 +272,16 @@ def test_a_prefill_waiting_when_its_pool_goes_down_is_sent_whole_to_decode():
     assert pools.decode_whole == ["stuck"] and chunks[-1].finished
     prefill = next(c for c in pools.calls if c.method == "prefill")
     assert prefill.cancelled
+
+
+def test_an_embedding_request_runs_whole_on_decode_without_a_prefill():
+    """An embedding ends where its prompt does: nothing to hand off, no prefill call."""
+    pools = Pools()
+    embed = GenerateRequest("embed", [1, 2, 3], SamplingParams(max_tokens=1, pooling="last"), time.time())
+
+    async def main():
+        return await asyncio.wait_for(consume_in_request(pools.client(), embed, first_only=False), WAIT_S)
+
+    chunks = asyncio.run(main())
+    assert pools.decode_whole == ["embed"] and chunks[-1].finished
+    assert not [c for c in pools.calls if c.method == "prefill"]
