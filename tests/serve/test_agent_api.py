@@ -334,9 +334,9 @@ def test_bad_agent_requests_get_400s_naming_the_parameter_and_the_server_keeps_s
 # -- other clients ----------------------------------------------------------------------------------------
 
 
-def test_langchain_openai_structured_output_and_bound_tools(served):
+def test_langchain_openai_structured_output_bound_tools_and_embeddings(served):
     from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
+    from langchain_openai import ChatOpenAI, OpenAIEmbeddings
     from pydantic import BaseModel, Field
 
     class Person(BaseModel):
@@ -354,9 +354,13 @@ def test_langchain_openai_structured_output_and_bound_tools(served):
     message = chat.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
     (call,) = message.tool_calls
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    # NOTE: check_embedding_ctx_length would count tokens with tiktoken's OpenAI vocabulary.
+    embedder = OpenAIEmbeddings(model=MODEL, base_url=f"{served['plain']}/v1", api_key="unused", check_embedding_ctx_length=False, max_retries=0)
+    first, second = embedder.embed_documents(["a cat", "a dog"])
+    assert len(first) == 576 and first != second
 
 
-def test_litellm_completion_with_a_schema_and_a_forced_tool(served):
+def test_litellm_completion_with_a_schema_a_forced_tool_and_embeddings(served):
     import litellm
 
     common = dict(model=f"openai/{MODEL}", api_base=f"{served['plain']}/v1", api_key="unused", max_tokens=60, temperature=0.7, seed=2)
@@ -366,6 +370,8 @@ def test_litellm_completion_with_a_schema_and_a_forced_tool(served):
     out = litellm.completion(messages=ASK_WEATHER, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, **common)
     (call,) = out.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    vectors = litellm.embedding(model=f"openai/{MODEL}", api_base=f"{served['plain']}/v1", api_key="unused", input=["a cat", "a dog"])
+    assert [len(d["embedding"]) for d in vectors.data] == [576, 576]
 
 
 # -- embeddings ------------------------------------------------------------------------------------------
