@@ -11,12 +11,11 @@ A choice that made calls ends with ``finish_reason: tool_calls`` (when it ended 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from flotilla.serve.reasoning_parsers import ReasoningParser
-from flotilla.serve.tool_parsers import ToolCall, ToolCallDelta, tool_parser_for
+from flotilla.serve.tool_parsers import ToolCall, ToolCallDelta, new_call_id, tool_parser_for
 from flotilla.serve.tools import ToolPlan
 
 
@@ -43,10 +42,6 @@ class Message:
     content: str | None
     tool_calls: list[ToolCall]
     finish_reason: str | None
-
-
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class AssistantOutput:
@@ -98,7 +93,7 @@ class AssistantOutput:
         except ValueError:
             return []
         if self.tools.mode == "named":
-            return [ToolCall(self.tools.named, text.strip(), self._named_id or call_id())] if isinstance(value, dict) else []
+            return [ToolCall(self.tools.named, text.strip(), self._named_id or new_call_id())] if isinstance(value, dict) else []
         if not isinstance(value, list):
             return []
         calls = []
@@ -106,7 +101,7 @@ class AssistantOutput:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 return []
             arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
-            calls.append(ToolCall(item["name"], arguments, call_id()))
+            calls.append(ToolCall(item["name"], arguments, new_call_id()))
         return calls
 
     # -- streamed ----------------------------------------------------------------------
@@ -159,16 +154,11 @@ class AssistantOutput:
             if not fragment:
                 return Piece()
             if self._named_id is None:
-                self._named_id, self._made_calls = call_id(), True
+                self._named_id, self._made_calls = new_call_id(), True
                 return Piece(tool_calls=[ToolCallDelta(0, self._named_id, self.tools.named, fragment)])
             return Piece(tool_calls=[ToolCallDelta(0, None, None, fragment)])
         self._forced += content  # NOTE: required: the array is parsed whole at the end
         return Piece()
-
-
-def make_outputs(count: int, reasoning: ReasoningParser | None, in_reasoning: bool, tools: ToolPlan | None) -> dict[int, AssistantOutput]:
-    """One :class:`AssistantOutput` per choice index."""
-    return {i: AssistantOutput(reasoning, in_reasoning, tools) for i in range(count)}
 
 
 def tool_call_dicts(calls: list[ToolCall]) -> list[dict[str, Any]]:

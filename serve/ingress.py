@@ -454,7 +454,7 @@ class _Ingress:
         """``POST /detokenize`` (see :mod:`flotilla.serve.tokenization`)."""
         req = parse_request(DetokenizeRequest, await self._body(request))
         self._check_model(req.model)
-        return JSONResponse(detokenize(req, self.tokenizer, None))
+        return JSONResponse(detokenize(req, self.tokenizer))
 
     # -- elastic EP admin ------------------------------------------------------------------------
 

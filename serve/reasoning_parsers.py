@@ -86,7 +86,7 @@ class ReasoningStream:
                 reasoning = self._reasoning(head.rstrip())
                 self.phase, self.buffer = "after", tail
             else:
-                keep = _partial_suffix(self.buffer, self.parser.end)
+                keep = partial_suffix(self.buffer, self.parser.end)
                 ready = self.buffer[: len(self.buffer) - keep]
                 out = ready.rstrip()
                 self.buffer = ready[len(out) :] + self.buffer[len(ready) :]
@@ -118,7 +118,7 @@ class ReasoningStream:
         return "", rest
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

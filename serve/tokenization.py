@@ -65,13 +65,16 @@ def tokenize(req: TokenizeRequest, tokenizer: Any, chat_template: str | None, te
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
 
 
-def detokenize(req: DetokenizeRequest, tokenizer: Any, vocab_size: int | None) -> dict[str, Any]:
-    """The ``/detokenize`` answer; APIError(400) naming ``tokens`` for an id outside the vocabulary."""
+def detokenize(req: DetokenizeRequest, tokenizer: Any) -> dict[str, Any]:
+    """The ``/detokenize`` answer; APIError(400) naming ``tokens`` for an id outside the
+    tokenizer's vocabulary."""
     _need(tokenizer, "tokens")
-    limit = vocab_size if vocab_size is not None else len(tokenizer)
+    limit = len(tokenizer)
     bad = [t for t in req.tokens if not 0 <= t < limit]
     if bad:
-        raise bad_request(f"tokens holds {quote(bad[0])}, which is not a token id of this model (vocabulary size {limit})", "tokens")
+        raise bad_request(
+            f"tokens holds {quote(bad[0])}, which is not a token id of this model; send ids in [0, {limit})", "tokens"
+        )
     return {"prompt": tokenizer.decode(req.tokens)}
 
 

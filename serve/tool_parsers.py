@@ -39,6 +39,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from flotilla.serve.reasoning_parsers import partial_suffix
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -136,7 +138,7 @@ class ToolParser:
             if text.strip() and not any(m.startswith(text.lstrip()) for m in self.markers):
                 return 0
             return len(text)
-        return max((_partial_suffix(text, m) for m in self.markers), default=0)
+        return max((partial_suffix(text, m) for m in self.markers), default=0)
 
 
 class ToolStream:
@@ -174,13 +176,6 @@ class ToolStream:
         rest = content[self.shown :]
         self.shown = len(content)
         return rest, [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls)]
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 _DECODER = json.JSONDecoder()
