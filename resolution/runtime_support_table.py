@@ -680,9 +680,124 @@ _MAMBA = refused(
     "enable_linear_replayssm_spec",
 )
 
-_SPECULATIVE = refused(
-    "speculative decoding is not built yet; drop the flag",
-    *(name for name, spec in FIELDS.items() if spec.group == "speculative"),
+# Algorithms the engine runs (cluster/engine/speculative.py).
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+
+
+def _speculative_algorithm(value: Any, given: Mapping[str, Any], model: Any) -> str | None:
+    if value is None or str(value).upper() == "NONE":
+        return None
+    algorithm = str(value).upper()
+    if algorithm not in SPECULATIVE_ALGORITHMS:
+        return (
+            f"{value} drafting is not built yet (EAGLE, EAGLE3, NEXTN/MTP, FROZEN_KV_MTP, DFLASH and DSPARK); "
+            "use --speculative-algorithm NGRAM, or STANDALONE with --speculative-draft-model-path"
+        )
+    if algorithm == "STANDALONE":
+        if given.get("speculative_draft_model_path") is None:
+            return "STANDALONE drafts with a second model: pass --speculative-draft-model-path (e.g. a smaller model of the target's family)"
+        sizes = {name: int(given.get(name) or 1) for name in ("tp_size", "ep_size", "dp_size")}
+        if max(sizes.values()) > 1:
+            shown = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
+            return (
+                f"STANDALONE's draft model runs in the engine's own process, not on a worker group's ranks ({shown}); "
+                "serve it on one rank, or use NGRAM (which speculates on worker groups)"
+            )
+    return None
+
+
+def _speculative_num_steps(value: Any, given: Mapping[str, Any], model: Any) -> str | None:
+    if value is None or str(given.get("speculative_algorithm") or "").upper() != "NGRAM":
+        return None
+    return "NGRAM drafts --speculative-num-draft-tokens minus one tokens per step; drop --speculative-num-steps"
+
+
+_SPECULATIVE_HONORED = _table(
+    honored(
+        "the engine drafts with this proposer and verifies the drafts in one forward (cluster/engine/speculative.py)",
+        "speculative_algorithm",
+        accepts=_speculative_algorithm,
+    ),
+    honored(
+        "NGRAM: drafts per step are this minus one (SGLang counts the verified token)",
+        "speculative_num_draft_tokens",
+    ),
+    honored(
+        "STANDALONE: drafts per step (the draft model runs this many steps)",
+        "speculative_num_steps",
+        accepts=_speculative_num_steps,
+    ),
+    honored(
+        "STANDALONE's draft model, loaded in the engine's process with a KV pool of its own",
+        "speculative_draft_model_path",
+    ),
+    honored("the draft model's snapshot in the local HF cache", "speculative_draft_model_revision"),
+    honored("the draft model's weight format", "speculative_draft_load_format"),
+    honored("the draft model's KV cache dtype", "speculative_draft_kv_cache_dtype"),
+    honored("NGRAM: the longest token window its trie holds", "speculative_ngram_max_trie_depth"),
+    honored("NGRAM: the most trie nodes; a full trie is cleared and refills", "speculative_ngram_capacity"),
+    refused(
+        "tree drafting is not built: flotilla drafts one chain (the most likely continuation); drop the flag or pass 1",
+        "speculative_eagle_topk",
+        "speculative_ngram_min_bfs_breadth",
+        values=(1,),
+    ),
+    refused(
+        "tree drafting is not built: flotilla drafts one chain (breadth 1; SGLang's default 10 is taken as no "
+        "request for a tree); drop the flag or pass 1",
+        "speculative_ngram_max_bfs_breadth",
+        values=(1, 10),
+    ),
+    refused(
+        "NGRAM follows the most frequent continuation in its trie (BFS order over one chain); PROB-ranked "
+        "trees are not built: drop the flag or pass BFS",
+        "speculative_ngram_match_type",
+        values=("BFS",),
+    ),
+    refused(
+        "relaxed acceptance is not built: verification keeps the target's distribution (thresholds 1.0); drop the flag",
+        "speculative_accept_threshold_single",
+        "speculative_accept_threshold_acc",
+        values=(1.0,),
+    ),
+    refused(
+        "verification samples each position from the target and accepts a draft when the sample equals it, which is "
+        "exact for flotilla's deterministic drafts; draft-probability rejection sampling (EAGLE) is not built: drop the flag",
+        "speculative_use_rejection_sampling",
+        values=(False,),
+    ),
+    refused(
+        "flotilla verifies drafts in its prefill-style forward over the paged cache; drop the flag or pass prefill",
+        "speculative_attention_mode",
+        values=("prefill",),
+    ),
+    refused(
+        "the draft model runs on the target's kernel backends; drop the flag",
+        "speculative_draft_attention_backend",
+        "speculative_moe_runner_backend",
+        "speculative_moe_a2a_backend",
+        "speculative_dsa_topk_backend",
+    ),
+    refused(
+        "the draft model runs its checkpoint's own weights: load-time quantization is not built; drop the flag",
+        "speculative_draft_model_quantization",
+        "_speculative_draft_quantization_explicitly_set",
+    ),
+    refused(
+        "NGRAM drafts from the requests' own tokens; an external corpus is not built yet: drop the flag",
+        "speculative_ngram_external_corpus_path",
+        "speculative_ngram_external_sam_budget",
+        "speculative_ngram_external_corpus_max_tokens",
+    ),
+)
+
+_SPECULATIVE = _table(
+    _SPECULATIVE_HONORED,
+    refused(
+        "this speculative-decoding option belongs to an algorithm or mode not built yet (EAGLE, DFLASH, DSPARK, "
+        "adaptive steps, draft windows, decoupled drafting); drop the flag",
+        *(name for name, spec in FIELDS.items() if spec.group == "speculative" and name not in _SPECULATIVE_HONORED),
+    ),
 )
 
 _DISAGGREGATION = _table(

@@ -184,6 +184,8 @@ class GrammarState:
             self.phase = "first"
         # Output tokens of the reasoning tags seen so far.
         self._seen: list[int] = []
+        # Tokens the matcher took (what a rollback after drafted positions undoes).
+        self._matched = 0
 
     @property
     def active(self) -> bool:
@@ -201,12 +203,43 @@ class GrammarState:
             mask[token // 32] |= _bit(token % 32)
         return mask
 
+    def draft_bitmasks(self, drafts: Sequence[int]) -> tuple[list[torch.Tensor | None], int]:
+        """Speculative decoding: ``(the bitmask after each of the first j drafts, for j = 1..n;
+        n)``, where ``n`` is how many leading drafts the grammar allows (a draft it does not
+        allow would be rejected by the mask anyway). The state is left as it was: the tokens
+        verification accepts are taken by :meth:`accept` after the step, as any others."""
+        saved = (self.phase, list(self._seen), self._matched, self.matcher.snapshot())
+        masks: list[torch.Tensor | None] = []
+        try:
+            for token in drafts:
+                if self.matcher.terminated() and self.phase == "active":
+                    break  # NOTE: the grammar ended: only the stop token was allowed, and it ends the output
+                allowed = self.next_bitmask()
+                if allowed is not None and not (int(allowed[token // 32]) >> (token % 32)) & 1:
+                    break
+                if not self.accept(token):
+                    break
+                masks.append(self.next_bitmask())
+        finally:
+            taken = self._matched - saved[2]
+            if taken:
+                self.matcher.rollback(taken)
+            self.phase, self._seen, self._matched = saved[0], saved[1], saved[2]
+            self.matcher.restore(saved[3])
+        return masks, len(masks)
+
+    def _match(self, token: int) -> bool:
+        ok = self.matcher.accept(token)
+        if ok:
+            self._matched += 1
+        return ok
+
     def accept(self, token_id: int) -> bool:
         """Advance by the chosen token; False when the grammar does not allow it (the
         output left its constraint)."""
         token = int(token_id)
         if self.phase == "active":
-            return self.matcher.terminated() or self.matcher.accept(token)
+            return self.matcher.terminated() or self._match(token)
         start, end = self.guided.reasoning_start, self.guided.reasoning_end
         if self.phase == "reasoning":
             self._seen.append(token)
@@ -222,7 +255,7 @@ class GrammarState:
             return True
         # NOTE: the output did not open a reasoning section: its tokens so far are the grammar's.
         seen, self._seen, self.phase = self._seen, [], "active"
-        return all(self.matcher.accept(t) for t in seen)
+        return all(self._match(t) for t in seen)
 
 
 def _bit(index: int) -> int:
@@ -269,6 +302,15 @@ class _XGrammarMatcher:
 
     def terminated(self) -> bool:
         return bool(self.m.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        self.m.rollback(num_tokens)
+
+    def snapshot(self) -> None:
+        return None  # NOTE: the matcher's whole state is its token history (rollback)
+
+    def restore(self, snapshot: None) -> None:
+        pass
 
 
 class _LLGuidance:
@@ -328,3 +370,12 @@ class _LLGuidanceMatcher:
 
     def terminated(self) -> bool:
         return self.ended
+
+    def rollback(self, num_tokens: int) -> None:
+        self.m.rollback(num_tokens)
+
+    def snapshot(self) -> bool:
+        return self.ended
+
+    def restore(self, ended: bool) -> None:
+        self.ended = ended

@@ -52,7 +52,7 @@ from flotilla.cluster.elastic import (
 )
 from flotilla.cluster.engine.dp_scheduler import DPSchedulerOutput, can_grow_elastic_ep
 from flotilla.cluster.kv.port import check_kv_attachable
-from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow
+from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow, logits_rows
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.models.sources import ModelSource
 from flotilla.resolution import ResolvedConfig
@@ -277,8 +277,8 @@ class GroupRunner:
             return tokens
         parts = self.group.execute_logits(step)
         logits = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], dim=0)
-        if len(rows) != logits.shape[0]:
-            raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
+        if logits_rows(rows) != logits.shape[0]:
+            raise ValueError(f"{len(rows)} sampling rows (with drafts: {logits_rows(rows)}) for {logits.shape[0]} logits rows")
         tokens = self.sampler(logits, rows)
         offset = 0
         for part_logits, pooled in parts:  # NOTE: embedding requests' vectors, by DP part

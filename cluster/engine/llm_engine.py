@@ -9,7 +9,10 @@ and finishes requests (which frees their blocks at once). With overlap schedulin
 reads the previous step's tokens, so each ``step()`` returns the deltas of the step
 before it and one more ``step()`` drains the last. ``n > 1`` requests are
 ``n`` child sequences over the same prompt: the prefix cache shares the prompt's
-full blocks among them.
+full blocks among them. With speculative decoding (``--speculative-algorithm``,
+:mod:`~flotilla.cluster.engine.speculative`) a step first has the proposer draft tokens for
+the requests in decode, verifies them in the same forward, and may emit several tokens
+per request (one delta holding them all).
 
 Bad input (empty prompt, a prompt that does not fit the context, bad sampling
 parameters, unknown stop token ids) raises ``ValueError`` from
@@ -59,6 +62,7 @@ from flotilla.cluster.engine.sampler import SampledToken, SamplingRow
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.engine.schedule_policy import PriorityPolicy
 from flotilla.cluster.engine.scheduler import SchedulerConfig, UnschedulableRequestError
+from flotilla.cluster.engine.speculative import speculator_for
 from flotilla.cluster.models.sources import ModelSource, context_len_of
 from flotilla.resolution import ResolvedConfig
 
@@ -127,6 +131,8 @@ class _Sequence:
     streamed_chars: int = 0
     # The completion's grammar (a constrained request), else None.
     grammar: GrammarState | None = None
+    # Speculative decoding: the grammar's bitmask after each of this step's drafts.
+    draft_bitmasks: list = field(default_factory=list)
 
 
 @dataclass
@@ -198,6 +204,10 @@ class LLMEngine:
         self._hold_kv: set[str] = set()
         # Set when the runner failed (a worker died, a collective timed out): see restart().
         self.dead: EngineDeadError | None = None
+        # Speculative decoding (--speculative-algorithm; None when off).
+        self.speculator = speculator_for(config, source, self.runner)
+        if self.speculator is not None:
+            _require_single_pool(self.scheduler)
         self.overlap = self._overlap_wanted(overlap)
         # The launched step whose tokens are still on the device (overlap scheduling).
         self._inflight: InflightStep | None = None
@@ -207,6 +217,11 @@ class LLMEngine:
     def _overlap_wanted(self, overlap: bool | None) -> bool:
         # NOTE: a worker group says itself whether its steps pipeline (GroupRunner.supports_overlap).
         supported = getattr(self.runner, "supports_overlap", hasattr(self.runner, "launch"))
+        if self.speculator is not None:
+            # NOTE: a step's input depends on the drafts the previous one accepted.
+            if overlap:
+                raise ValueError("overlap=True cannot run with speculative decoding: each step waits for the drafts the last one accepted")
+            return False
         if overlap is not None:
             if overlap and not supported:
                 raise ValueError(f"overlap=True needs a runner that can launch steps ahead; {type(self.runner).__name__} cannot")
@@ -400,23 +415,57 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             self.remote_kv.wait(IDLE_WAIT_S)
             return deltas
+        if self.speculator is not None:
+            self._propose()
         step = self._schedule(deltas)
         if step is None or step.is_empty:
             self.remote_kv.wait(IDLE_WAIT_S)
             return deltas
-        sampling = [item.request for item in step.scheduled if item.samples]
-        rows = [self._sampling_row(self._sequences[r.request_id]) for r in sampling]
+        sampling = [item for item in step.scheduled if item.samples]
+        rows = [self._sampling_row(self._sequences[item.request.request_id], item.draft_token_ids) for item in sampling]
         try:
             tokens = self.runner.execute(step, rows)
         except Exception as exc:  # noqa: BLE001 - a dead rank, a timed-out collective, an OOM: fail, never hang
             return deltas + self._fail_in_flight(exc)
-        by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
-        advanced = self.scheduler.update(step, {rid: t.token_id for rid, t in by_id.items()})
+        by_id = {item.request.request_id: t for item, t in zip(sampling, tokens)}
+        for item in sampling:
+            if item.draft_token_ids:
+                self.speculator.stats.record(len(item.draft_token_ids), len(by_id[item.request.request_id].continuation))
+        advanced = self.scheduler.update(
+            step, {rid: [e.token_id for e in t.emitted] if t.continuation else t.token_id for rid, t in by_id.items()}
+        )
         for request in advanced:
-            delta = self._update(self._sequences[request.request_id], by_id[request.request_id])
+            delta = self._update_emitted(self._sequences[request.request_id], by_id[request.request_id])
             self._keep_for_stream(delta)
             deltas.append(delta)
         return deltas
+
+    def _propose(self) -> None:
+        """Drafts for the running requests in decode; a constrained request's are cut where
+        its grammar stops allowing them, and its bitmask after each is kept for its row."""
+        self.speculator.propose(self.scheduler.running, self._may_draft)
+        for request in self.scheduler.running:
+            seq = self._sequences.get(request.request_id)
+            if seq is None or seq.grammar is None or not request.draft_token_ids:
+                continue
+            seq.draft_bitmasks, allowed = seq.grammar.draft_bitmasks(request.draft_token_ids)
+            del request.draft_token_ids[allowed:]
+
+    def _may_draft(self, request: Request) -> bool:
+        """Whether a request in decode may verify drafts: a generation request (an embedding
+        request ends at its prompt)."""
+        seq = self._sequences.get(request.request_id)
+        return seq is not None and seq.params.pooling is None
+
+    def _update_emitted(self, seq: _Sequence, sampled: SampledToken) -> CompletionDelta:
+        """:meth:`_update` for each token a step emitted for ``seq`` (more than one after
+        accepted drafts), up to the one that finishes it; one delta for them all."""
+        delta = self._update(seq, sampled)
+        for token in sampled.continuation:
+            if delta.finish_reason is not None:
+                break
+            delta = _merged(delta, self._update(seq, token))
+        return delta
 
     def _step_overlapped(self) -> list[CompletionDelta]:
         """One step under overlap scheduling: launch the next step, then resolve the one in flight."""
@@ -554,10 +603,11 @@ class LLMEngine:
         if parent is not None and parent.streaming:
             self._backlog.setdefault(delta.request_id, []).append(delta)
 
-    def _sampling_row(self, seq: _Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: _Sequence, drafts: tuple[int, ...] = ()) -> SamplingRow:
         request = seq.request
         mask = seq.grammar.next_bitmask() if seq.grammar is not None else None
-        return SamplingRow(seq.params, request.all_token_ids, request.num_prompt_tokens, seq.generator, mask)
+        draft_masks = tuple(seq.draft_bitmasks[: len(drafts)]) if seq.grammar is not None and drafts else ()
+        return SamplingRow(seq.params, request.all_token_ids, request.num_prompt_tokens, seq.generator, mask, drafts, draft_masks)
 
     def _update(self, seq: _Sequence, sampled: SampledToken) -> CompletionDelta:
         """Record one sampled token of ``seq``; check the stop conditions; return its delta."""
@@ -587,7 +637,9 @@ class LLMEngine:
                     end = start + len(stop) if params.include_stop_str_in_output else start
                     completion.text = completion.text[:end]
                     finish, stop_reason = "stop", stop
-        if finish is None and seq.request.reached_max_tokens:
+        # NOTE: the completion's count, not the request's: after accepted drafts the request
+        # already holds the tokens this call has not recorded yet.
+        if finish is None and len(completion.token_ids) >= seq.request.max_tokens:
             finish = "length"
             if seq.detokenizer is not None:
                 completion.text += seq.detokenizer.flush()
@@ -641,6 +693,8 @@ class LLMEngine:
         seq.completion.stop_reason = stop_reason
         del self._sequences[seq.request.request_id]
         self._hold_kv.discard(seq.request.request_id)
+        if self.speculator is not None:
+            self.speculator.proposer.forget(seq.request.request_id)
         parent = seq.parent
         parent.output.finished = all(s.completion.finish_reason is not None for s in parent.sequences)
 
@@ -808,6 +862,12 @@ class LLMEngine:
         for key, value in self.startup_report().items():
             if key.endswith("_s"):
                 stats[f"startup_{key}"] = value
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            stats["spec_decode_num_drafts"] = spec.num_drafts
+            stats["spec_decode_num_draft_tokens"] = spec.num_draft_tokens
+            stats["spec_decode_num_accepted_tokens"] = spec.num_accepted_tokens
+            stats["spec_decode_acceptance_rate"] = spec.acceptance_rate
         return stats
 
     def startup_report(self) -> dict[str, Any]:
@@ -824,6 +884,23 @@ def _check_pooling(params: SamplingParams, hold_kv: bool) -> None:
         raise ValueError(
             f"pooling={params.pooling!r} (an embedding request) takes n=1, no logprobs, no output constraint and "
             f"no KV handoff (got n={params.n}, logprobs={params.logprobs}, guided={params.guided is not None})"
+        )
+
+
+def _merged(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
+    """One delta for two consecutive deltas of a completion."""
+    logprobs = None if first.logprobs is None else first.logprobs + (then.logprobs or [])
+    return CompletionDelta(
+        first.request_id, first.index, first.token_ids + then.token_ids, first.text + then.text, logprobs,
+        then.finish_reason, then.stop_reason, error=then.error,
+    )
+
+
+def _require_single_pool(scheduler: Any) -> None:
+    if not hasattr(scheduler, "running"):
+        raise NotImplementedError(
+            f"speculative decoding needs a single-pool scheduler ({type(scheduler).__name__} is not one): "
+            "drop --enable-dp-attention or --speculative-algorithm"
         )
 
 

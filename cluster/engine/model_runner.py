@@ -35,7 +35,7 @@ from flotilla.cluster.kv.port import KVPort
 from flotilla.cluster.engine.request import Request
 from flotilla.cluster.engine.overlap import PENDING_TOKEN, TokenFeed
 from flotilla.cluster.engine.pooling import HiddenPooler, pools
-from flotilla.cluster.engine.sampler import SampledBatch, SampledToken, Sampler, SamplingRow
+from flotilla.cluster.engine.sampler import SampledBatch, SampledToken, Sampler, SamplingRow, logits_rows
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.engine.scheduler import ScheduledRequest, SchedulerOutput
 from flotilla.cluster.engine.weight_packing import pack_linear_layers
@@ -371,8 +371,8 @@ class ModelRunner:
         logits = self.step_logits(step, feed)
         if not rows:
             return None
-        if len(rows) != logits.shape[0]:
-            raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} sampling requests")
+        if logits_rows(rows) != logits.shape[0]:
+            raise ValueError(f"{len(rows)} sampling rows (with drafts: {logits_rows(rows)}) for {logits.shape[0]} logits rows")
         batch = self.sampler.launch(logits, rows)
         batch.embeddings = self.last_pooled
         return batch
@@ -440,7 +440,9 @@ class ModelRunner:
         self, step: SchedulerOutput, allow_pending: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids[T], positions[T], meta, sample_index[N])`` of a step, where
-        ``sample_index`` holds the flat index of the last new token of each sampling request.
+        ``sample_index`` holds the flat index of the last new token of each sampling request
+        (and, before it, of the positions its drafts are verified at: ``1 + k`` indexes for a
+        request verifying ``k`` drafts).
         A pending token (overlap scheduling) is a ValueError unless ``allow_pending``: the
         caller then fills those ids on the device.
 
@@ -472,7 +474,7 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(blocks[start // block_size] * block_size + start % block_size)
             else:
-                input_ids.extend(request.all_token_ids[start:end])
+                input_ids.extend(item.token_ids if item.draft_token_ids else request.all_token_ids[start:end])
                 positions.extend(range(start, end))
                 # NOTE: slots of the new tokens, one block run at a time.
                 for block_index in range(start // block_size, (end - 1) // block_size + 1):
@@ -488,7 +490,8 @@ class ModelRunner:
             page_indptr.append(page_indptr[-1] + num_pages)
             last_page_len.append(end - (num_pages - 1) * block_size)
             if item.samples:
-                sample_index.append(query_start[-1] - 1)
+                # NOTE: a request verifying k drafts samples at each of its last 1 + k positions.
+                sample_index.extend(range(query_start[-1] - 1 - len(item.draft_token_ids), query_start[-1]))
         if seq_lens and max_query_len == 0:
             max_query_len = 1
         if not allow_pending and input_ids and min(input_ids) == PENDING_TOKEN:

@@ -79,6 +79,9 @@ class Request:
         prefilled: its prompt's KV came from another engine (``Scheduler.admit_prefilled``;
             reset when that failed or it was preempted: it computes its tokens here).
         status: see :class:`RequestStatus`.
+        draft_token_ids: speculative decoding: the tokens proposed to follow ``all_token_ids``
+            for the next step (set by the engine before it schedules; the scheduler verifies
+            as many as the step has room for, see :class:`~flotilla.cluster.engine.scheduler.ScheduledRequest`).
     """
 
     request_id: str
@@ -101,6 +104,7 @@ class Request:
     num_preemptions: int = field(default=0, init=False)
     prefilled: bool = field(default=False, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    draft_token_ids: list[int] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -33,7 +33,7 @@ turns it off); CPU logits, and machines without Triton, keep ``torch.argmax``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Sequence
 
@@ -56,6 +56,10 @@ class SamplingRow:
         token_bitmask: the tokens a constrained request may take at this step (its grammar's
             packed bitmask: int32 ``[ceil(V / 32)]`` on the CPU, bit ``t % 32`` of word
             ``t // 32`` set when token ``t`` is allowed), or None (every token).
+        draft_token_ids: speculative decoding: the drafts this row verifies; the row then
+            owns ``1 + len(draft_token_ids)`` rows of the logits (see :func:`verify_drafts`).
+        draft_bitmasks: a constrained row's bitmask after each draft (``[j - 1]``: the
+            tokens allowed once ``d_1..d_j`` are taken; None: every token), one per draft.
     """
 
     params: SamplingParams
@@ -63,6 +67,8 @@ class SamplingRow:
     num_prompt_tokens: int = 0
     generator: torch.Generator | None = None
     token_bitmask: torch.Tensor | None = None
+    draft_token_ids: tuple[int, ...] = ()
+    draft_bitmasks: tuple[torch.Tensor | None, ...] = ()
 
 
 @dataclass
@@ -75,6 +81,9 @@ class SampledToken:
         top_logprobs: the ``params.logprobs`` most likely ``(token_id, logprob)`` pairs, best first.
         rank: the chosen token's rank among all tokens (1 = most likely).
         embedding: an embedding request's pooled vector (``SamplingParams.pooling``), else None.
+        continuation: speculative decoding: the tokens this step chose after this one (the
+            accepted drafts after the first, then the token sampled past them), each with
+            its own logprobs; empty without drafts.
     """
 
     token_id: int
@@ -82,6 +91,12 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
     rank: int | None = None
     embedding: list[float] | None = None
+    continuation: tuple["SampledToken", ...] = ()
+
+    @property
+    def emitted(self) -> list["SampledToken"]:
+        """This token and its continuation, in order."""
+        return [self, *self.continuation]
 
 
 _SAMPLING_BACKENDS = ("torch", "flashinfer")
@@ -101,10 +116,21 @@ class SampledBatch:
     the stream, the next step included: correct, but that step is not overlapped.
     """
 
-    def __init__(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SamplingRow]):
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        rows: list[SamplingRow],
+        drafts: list[tuple[int, ...]] | None = None,
+        rewinds: list["_Rewind"] | None = None,
+    ):
         self.token_ids = token_ids
         self._raw_logprobs = raw_logprobs
         self._rows = rows
+        # Speculative decoding: each request row's drafts (``rows`` are then the expanded
+        # rows, 1 + k per request); resolve() folds them back, one token per request row.
+        self._drafts = drafts
+        self._rewinds = rewinds or []
         # Embedding requests' vectors by row (set by the runner that pooled them).
         self.embeddings: dict[int, list[float] | None] = {}
         self._host: torch.Tensor | None = None
@@ -126,6 +152,10 @@ class SampledBatch:
             tokens = [SampledToken(t) for t in ids]
         else:
             tokens = _with_logprobs(ids, self._raw_logprobs, self._rows, self.token_ids)
+        if self._drafts is not None:
+            tokens = verify_drafts(tokens, self._drafts)
+            for rewind in self._rewinds:
+                rewind.apply(1 + len(tokens[rewind.row].continuation))
         for row, vector in self.embeddings.items():
             tokens[row].embedding = vector
         return tokens
@@ -171,8 +201,15 @@ class Sampler:
         :meth:`SampledBatch.resolve` turns them into :class:`SampledToken` s.
 
         NOTE: penalties read each row's ``token_ids`` now, on the host."""
-        if logits.shape[0] != len(rows):
-            raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows were given")
+        if logits.shape[0] != logits_rows(rows):
+            raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows (with drafts: {logits_rows(rows)}) were given")
+        drafts = [row.draft_token_ids for row in rows]
+        rewinds = None
+        if any(drafts):
+            rewinds = _seeded_rewinds(rows, logits.shape[1])
+            rows = expand_draft_rows(rows)
+        else:
+            drafts = None
         logits = logits.float()
         wants_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
@@ -180,7 +217,7 @@ class Sampler:
             logits = apply_penalties(logits.clone(), rows)
         if any(r.token_bitmask is not None for r in rows):
             logits = apply_token_bitmasks(logits, rows)
-        return SampledBatch(self._choose(logits, rows), raw_logprobs, list(rows))
+        return SampledBatch(self._choose(logits, rows), raw_logprobs, list(rows), drafts, rewinds)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [r.params.greedy for r in rows]
@@ -220,6 +257,96 @@ class Sampler:
                 noise[i].exponential_(generator=row.generator)
         # Exp(1) samples can be exactly 0 in float32; keep the division finite.
         return noise.clamp_(min=1e-20)
+
+
+def logits_rows(rows: Sequence[SamplingRow]) -> int:
+    """How many logits rows ``rows`` sample from (``1 + k`` for a row verifying ``k`` drafts)."""
+    return sum(1 + len(row.draft_token_ids) for row in rows)
+
+
+def expand_draft_rows(rows: Sequence[SamplingRow]) -> list[SamplingRow]:
+    """One row per logits row: a row verifying drafts ``d_1..d_k`` becomes ``1 + k`` rows,
+    the ``j``-th sampling as if ``d_1..d_j`` had been chosen (its penalties count them).
+    The rows share the request's generator, so a seeded request draws once per position; a
+    constrained row's ``j``-th row takes the bitmask its grammar has after ``d_1..d_j``."""
+    out = []
+    for row in rows:
+        out.append(replace(row, draft_token_ids=(), draft_bitmasks=()))
+        if not row.draft_token_ids:
+            continue
+        masks = row.draft_bitmasks or (None,) * len(row.draft_token_ids)
+        if len(masks) != len(row.draft_token_ids) or (row.token_bitmask is not None and not row.draft_bitmasks):
+            raise ValueError(
+                f"a constrained row verifying {len(row.draft_token_ids)} drafts needs a bitmask after each "
+                f"(got {len(row.draft_bitmasks)})"
+            )
+        history = list(row.token_ids)
+        for j in range(1, len(row.draft_token_ids) + 1):
+            ids = history + list(row.draft_token_ids[:j]) if history else ()
+            out.append(replace(row, token_ids=ids, token_bitmask=masks[j - 1], draft_token_ids=(), draft_bitmasks=()))
+    return out
+
+
+@dataclass
+class _Rewind:
+    """A seeded row that verified drafts drew noise for all ``1 + k`` positions; its
+    generator is put back to where it would be after one draw per EMITTED token, as without
+    speculation. So the row's later draws, and each emitted token's own draw, are those of the
+    same request decoded one token at a time: seeded sampling gives the same tokens with and
+    without speculation (the engine's float32 logits agreeing within their margins)."""
+
+    row: int
+    generator: torch.Generator
+    state: torch.Tensor
+    vocab_size: int
+
+    def apply(self, draws: int) -> None:
+        self.generator.set_state(self.state)
+        for _ in range(draws):
+            # NOTE: the same draw as Sampler._exponential_noise's for one row of V float32s.
+            torch.empty(self.vocab_size, device=self.generator.device).exponential_(generator=self.generator)
+
+
+def _seeded_rewinds(rows: Sequence[SamplingRow], vocab_size: int) -> list[_Rewind]:
+    """The generators to rewind after verification: sampled, seeded rows with drafts (their
+    state now, before this step's draws)."""
+    return [
+        _Rewind(i, row.generator, row.generator.get_state(), vocab_size)
+        for i, row in enumerate(rows)
+        if row.draft_token_ids and row.generator is not None and not row.params.greedy
+    ]
+
+
+def verify_drafts(tokens: Sequence[SampledToken], drafts: Sequence[tuple[int, ...]]) -> list[SampledToken]:
+    """Fold the expanded rows' tokens back into one :class:`SampledToken` per request row.
+
+    A request with drafts ``d_1..d_k`` sampled ``t_0..t_k`` (``t_j`` at the position after
+    ``d_j``). Drafts are accepted while ``t_{j-1} == d_j``; the first ``t`` that differs (or
+    ``t_k`` when all are accepted) ends the step. The emitted tokens are ``t_0..t_m`` (``m``
+    accepted): the first is returned with the rest as its ``continuation``.
+
+    Why the output is the target's: a greedy row's ``t_j`` is the argmax given the accepted
+    tokens, exactly what decoding one token at a time would pick. For a sampled row the
+    drafts are deterministic (a proposal of one token, with probability 1), so the rejection
+    sampler of Leviathan et al. accepts ``d_j`` with probability ``p(d_j)`` and otherwise draws
+    from ``p`` without ``d_j``, renormalised. Drawing ``t_{j-1} ~ p`` and accepting iff it is
+    ``d_j`` does both at once: ``P(accept) = p(d_j)``, and a rejected ``t_{j-1}`` is distributed
+    as ``p`` restricted to the other tokens. Each emitted token is thus a draw from the target's
+    distribution given the tokens before it.
+    """
+    out, index = [], 0
+    for row_drafts in drafts:
+        chosen = list(tokens[index : index + 1 + len(row_drafts)])
+        index += 1 + len(row_drafts)
+        accepted = 0
+        while accepted < len(row_drafts) and chosen[accepted].token_id == row_drafts[accepted]:
+            accepted += 1
+        first = chosen[0]
+        first.continuation = tuple(chosen[1 : accepted + 1])
+        out.append(first)
+    if index != len(tokens):
+        raise ValueError(f"{len(tokens)} sampled rows for drafts that need {index}")
+    return out
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,9 @@ class ScheduledRequest:
         num_new_tokens: tokens to compute this step.
         start_position: position of the first new token (``num_computed_tokens``
             when scheduled); the new tokens are ``all_token_ids[start:start+n]``.
+        draft_token_ids: speculative decoding: drafted tokens computed after the request's
+            last token (they count in ``num_new_tokens``; a decode step with ``k`` drafts
+            computes ``1 + k`` positions, and the engine gets the logits of all of them).
         samples: whether this step completes the request's tokens, so the engine
             samples one for it (False for a partial prefill chunk).
     """
@@ -157,17 +160,20 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start_position: int
+    draft_token_ids: tuple[int, ...] = ()
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
         # NOTE: fixed at schedule time; update() appends the sampled token, after
         # which the request's length no longer tells.
-        object.__setattr__(self, "samples", self.start_position + self.num_new_tokens == self.request.num_tokens)
+        own = self.num_new_tokens - len(self.draft_token_ids)
+        object.__setattr__(self, "samples", self.start_position + own == self.request.num_tokens)
 
     @property
     def token_ids(self) -> list[int]:
-        """The new tokens' ids (read before :meth:`Scheduler.update`, like everything here)."""
-        return self.request.all_token_ids[self.start_position : self.start_position + self.num_new_tokens]
+        """The new tokens' ids, drafts last (read before :meth:`Scheduler.update`, like everything here)."""
+        own = self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.all_token_ids[self.start_position : self.start_position + own] + list(self.draft_token_ids)
 
 
 @dataclass
@@ -504,7 +510,14 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens_to_compute, budget)
-            needed = self.pool.blocks_for_tokens(request.num_computed_tokens + num_new) - len(request.block_ids)
+            # NOTE: a decode's drafts ride along as far as the budget and the pool allow;
+            # they are dropped before anyone is preempted for them.
+            drafts = request.draft_token_ids[: budget - 1] if request.num_tokens_to_compute == 1 else []
+            needed = self.pool.blocks_for_tokens(request.num_computed_tokens + num_new + len(drafts)) - len(request.block_ids)
+            if drafts and not self.pool.can_allocate(needed):
+                drafts = []
+                needed = self.pool.blocks_for_tokens(request.num_computed_tokens + num_new) - len(request.block_ids)
+            num_new += len(drafts)
             while not self.pool.can_allocate(needed):
                 # NOTE: the victim is the latest arrival; requests before index are
                 # already scheduled and are never victims (the loop stops at itself).
@@ -515,7 +528,7 @@ class Scheduler:
                 if victim is request:
                     return budget
             request.block_ids += self.pool.allocate(needed)
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens, tuple(drafts)))
             budget -= num_new
             index += 1
         return budget
@@ -629,6 +642,11 @@ class Scheduler:
         Requests finished or aborted since :meth:`schedule` are skipped. The engine
         then checks stop conditions and calls :meth:`finish`.
 
+        A request that verified drafts (speculative decoding) gets a list instead: its
+        accepted drafts followed by the one token sampled after them. The accepted drafts'
+        KV was computed this step; the rejected ones' slots are garbage, and the blocks
+        past the request's tokens are freed at once.
+
         Returns the requests that received a token, in schedule order.
         """
         advanced = []
@@ -636,7 +654,8 @@ class Scheduler:
             request = item.request
             if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != item.start_position:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            num_drafts = len(item.draft_token_ids)
+            request.num_computed_tokens += item.num_new_tokens - num_drafts
             if request.num_computed_tokens == request.num_tokens:
                 token = sampled.get(request.request_id)
                 if token is None:
@@ -644,10 +663,27 @@ class Scheduler:
                         f"sampled: no token for request {request.request_id!r}, "
                         f"whose tokens were all computed this step"
                     )
-                request.append_output_token(token)
+                tokens = list(token) if isinstance(token, (list, tuple)) else [token]
+                if not 1 <= len(tokens) <= num_drafts + 1:
+                    raise ValueError(
+                        f"sampled: {len(tokens)} tokens for request {request.request_id!r}, which verified "
+                        f"{num_drafts} drafts (1 to {num_drafts + 1} expected)"
+                    )
+                for token_id in tokens:
+                    request.append_output_token(token_id)
+                request.num_computed_tokens += len(tokens) - 1
+                if num_drafts:
+                    self._free_past_tokens(request)
                 advanced.append(request)
             self.pool.commit_full_blocks(request)
         return advanced
+
+    def _free_past_tokens(self, request: Request) -> None:
+        """Free the blocks a request holds past its tokens (those its rejected drafts took)."""
+        keep = self.pool.blocks_for_tokens(request.num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     # ---- helpers -------------------------------------------------------------------
 

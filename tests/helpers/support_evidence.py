@@ -304,4 +304,36 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
     "watchdog_timeout": (
         "tests/cluster/engine/test_field_effects.py::test_watchdog_timeout_bounds_the_wait_for_a_stuck_rank",
     ),
+    "speculative_algorithm": (
+        "tests/cluster/engine/test_speculative.py::test_ngram_greedy_tokens_and_logprobs_equal_the_engine_without_speculation",
+        "tests/cluster/engine/test_speculative.py::test_standalone_with_smollm2_as_its_own_draft_accepts_every_greedy_draft",
+        "tests/cluster/engine/test_speculative.py::test_settings_that_cannot_run_are_refused_naming_the_flag",
+    ),
+    "speculative_num_draft_tokens": (
+        "tests/cluster/engine/test_speculative.py::test_ngram_fields_reach_the_proposer",
+    ),
+    "speculative_num_steps": (
+        "tests/cluster/engine/test_speculative.py::test_standalone_with_smollm2_as_its_own_draft_accepts_every_greedy_draft",
+    ),
+    "speculative_draft_model_path": (
+        "tests/cluster/engine/test_speculative.py::test_standalone_with_smollm2_as_its_own_draft_accepts_every_greedy_draft",
+        "tests/cluster/engine/test_speculative.py::test_the_draft_model_is_found_by_path_and_revision",
+    ),
+    "speculative_draft_model_revision": (
+        "tests/cluster/engine/test_speculative.py::test_the_draft_model_is_found_by_path_and_revision",
+    ),
+    "speculative_draft_load_format": (
+        "tests/cluster/engine/test_speculative.py::test_a_poor_draft_model_changes_the_speed_not_the_tokens",
+    ),
+    "speculative_draft_kv_cache_dtype": (
+        "tests/cluster/engine/test_speculative.py::test_a_poor_draft_model_changes_the_speed_not_the_tokens",
+    ),
+    "speculative_ngram_max_trie_depth": (
+        "tests/cluster/engine/test_speculative.py::test_ngram_fields_reach_the_proposer",
+        "tests/cluster/engine/test_speculative.py::test_ngram_windows_are_at_most_the_trie_depth",
+    ),
+    "speculative_ngram_capacity": (
+        "tests/cluster/engine/test_speculative.py::test_ngram_fields_reach_the_proposer",
+        "tests/cluster/engine/test_speculative.py::test_ngram_capacity_clears_a_full_trie_and_refills",
+    ),
 }

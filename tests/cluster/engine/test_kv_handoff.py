@@ -93,6 +93,22 @@ def test_decode_after_a_tensor_copy_gives_the_colocated_tokens(engines):
     assert steps and all(counts == [1] for counts in steps)
 
 
+def test_a_speculating_decode_engine_gives_the_colocated_tokens(engines):
+    """The decode side of a handoff speculates (NGRAM): its steps verify drafts after the
+    prefilled first token, and its tokens are the colocated engine's."""
+    path, prompts, expected = engines
+    prefiller = make_engine(path)
+    decoder = make_engine(path, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    steps = record_steps(decoder)
+    copy = tensor_block_copier(prefiller.runner.kv_caches, decoder.runner.kv_caches)
+    for prompt, want in zip(prompts, expected):
+        _, decode_id = handoff(prefiller, decoder, prompt, copy, GREEDY)
+        assert finish(decoder, decode_id) == want
+        assert_no_leaks(decoder)
+    assert decoder.stats()["spec_decode_num_draft_tokens"] > 0
+    assert any(counts[0] > 1 for counts in steps)  # a step computed 1 + k positions
+
+
 def test_float8_caches_hand_off_their_bytes(engines):
     """Float8 caches (``kv_cache_dtype=fp8_e4m3``) copy as stored: the decode engine's tokens
     equal a colocated float8 engine's (the same bytes, the same kernels). A float8 cache and a
