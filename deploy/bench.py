@@ -27,6 +27,10 @@ Both report MBU (bytes of weights + KV a decode step reads / step time / peak ba
 :mod:`flotilla.deploy.bench_roofline`) against a device-to-device copy measured first in the
 same run, the start-up times, the machine and the resolved configuration's key fields, print
 a short summary and write everything to ``--output-json``.
+
+With ``--speculative-algorithm`` (and the other ``--speculative-*`` server flags) the run
+speculates; the results add its acceptance (drafted and accepted tokens, per round) and its
+speedup: the same workload is run again right after without speculation, on the same runner.
 """
 
 from __future__ import annotations
@@ -205,6 +209,7 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
     batch = opts.batch_size if kind == "latency" else opts.num_prompts
     params = SamplingParams(temperature=0, max_tokens=opts.output_len, ignore_eos=True)
     clock = StepClock.for_engine(engine)
+    speculator = getattr(engine, "speculator", None)
     try:
         warmup_s = 0.0
         if opts.warmup_steps:
@@ -217,6 +222,7 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
             reset_prefix_cache(engine)
         pool = getattr(engine.scheduler, "pool", None)
         hits_before = (getattr(pool, "prefix_hit_tokens", 0), getattr(pool, "prefix_query_tokens", 0))
+        spec_before = _spec_counts(speculator)
         host_tier = getattr(engine.scheduler, "host_tier", None)  # --enable-hierarchical-cache
         host_before = (host_tier.stored_blocks, host_tier.loaded_blocks) if host_tier is not None else (0, 0)
         if kind == "latency":
@@ -241,6 +247,11 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
                     "stored_blocks": host_tier.stored_blocks - host_before[0],
                     "loaded_blocks": host_tier.loaded_blocks - host_before[1],
                 }
+        if speculator is not None:
+            workload = batches if kind == "latency" else [prompts]
+            measured["speculative_decoding"] = _speculation_results(
+                llm, speculator, spec_before, workload, params, measured["output_tok_s"]
+            )
     finally:
         clock.close()
     startup_report = runner_startup_report(engine.runner)  # NOTE: after the run: a runner may add lazy JIT times
@@ -288,6 +299,46 @@ def _measure(kind: str, opts: argparse.Namespace, llm: Any, device: Any, bandwid
             "vs_hf_batched": ours / results["hf_batched"]["output_tok_s"],
         }
     return results
+
+
+def _spec_counts(speculator: Any) -> tuple[int, int, int]:
+    if speculator is None:
+        return (0, 0, 0)
+    stats = speculator.stats
+    return (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+
+
+def _speculation_results(
+    llm: Any, speculator: Any, before: tuple[int, int, int], workload: list[list[list[int]]], params: Any, spec_tok_s: float
+) -> dict[str, Any]:
+    """The measured run's acceptance, and its speedup over the same workload without
+    speculation, run right after on the same runner (same weights, same KV cache)."""
+    from flotilla.cluster.engine.llm_engine import LLMEngine
+    from flotilla.deploy.bench_run import StepClock, reset_prefix_cache, run_batch
+    from flotilla.resolution import ResolvedConfig
+    from flotilla.resolution.frozen import thaw
+
+    rounds, drafted, accepted = (now - then for now, then in zip(_spec_counts(speculator), before))
+    config = ResolvedConfig.build({**thaw(llm.config.config), "speculative_algorithm": None}, dict(llm.config.env), ())
+    baseline = LLMEngine(config, llm.source, None, runner=llm.engine.runner)
+    reset_prefix_cache(llm.engine)
+    clock = StepClock.for_engine(baseline)
+    try:
+        traces = [run_batch(baseline, clock, prompts, params) for prompts in workload]
+    finally:
+        clock.close()
+    base_tok_s = sum(sum(t.output_tokens) for t in traces) / sum(t.wall_s for t in traces)
+    return {
+        "algorithm": speculator.name,
+        "num_draft_tokens": speculator.num_draft_tokens,
+        "rounds": rounds,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_per_round": accepted / rounds if rounds else 0.0,
+        "baseline_output_tok_s": base_tok_s,
+        "speedup": spec_tok_s / base_tok_s,
+    }
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -357,6 +408,13 @@ def format_summary(results: dict[str, Any]) -> str:
                 f"flotilla output tok/s vs HF batch-1 sequential: {ratios['vs_hf_sequential']:.2f}x; "
                 f"vs HF padded batch: {ratios['vs_hf_batched']:.2f}x"
             )
+    spec = res.get("speculative_decoding")
+    if spec is not None:
+        lines.append(
+            f"speculative decoding {spec['algorithm']} ({spec['num_draft_tokens']} drafts per step): acceptance "
+            f"{spec['acceptance_rate']:.1%}, {spec['mean_accepted_per_round']:.2f} accepted per round; "
+            f"{spec['speedup']:.2f}x the {spec['baseline_output_tok_s']:.1f} output tok/s without it (same run)"
+        )
     bw = results["bandwidth"]["peak_bytes_per_s"]
     lines.append(
         f"MBU {_fmt(roof['mbu'], '.3f')} (embedding table counted: {_fmt(roof['mbu_embedding_counted'], '.3f')}) over "

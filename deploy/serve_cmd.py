@@ -525,6 +525,7 @@ def wait_until_healthy(url: str, timeout_s: float) -> None:
 
 def ready_message(url: str, options, config, blocking: bool = True) -> str:
     """What ``flotilla serve`` prints once ready: the URL and a ready-to-paste curl line."""
+    from flotilla.cluster.engine.speculative import speculation_summary
     from flotilla.serve.app import APP_NAME
 
     body = {
@@ -548,6 +549,10 @@ def ready_message(url: str, options, config, blocking: bool = True) -> str:
         if plan is not None:
             auto = ", autoscaled" if options.elastic_autoscale.enabled else ""
             replicas += f", elastic EP {plan.initial_size} to {plan.max_ep_size} ranks{auto}"
+    spec = speculation_summary(config)
+    if spec is not None:
+        draft = f" from {spec['draft_model']}" if "draft_model" in spec else ""
+        replicas += f", speculative decoding {spec['algorithm']}{draft} ({spec['num_draft_tokens']} drafts per step)"
     lines = [
         f"flotilla serve: {options.served_model_name} is ready at {url}/v1 "
         f"({replicas}, router {options.router}, config {config.digest[:12]})",

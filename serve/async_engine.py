@@ -183,6 +183,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         self._unscheduled: set[str] = set()
         self._orphans: list[_Command] = []
         self._prefix_seen = (0, 0)
+        self._spec_seen = (0, 0, 0)  # speculative (rounds, draft tokens, accepted) already counted
         self._stepped_since_trim = False
         self._trimmed_at = time.monotonic()
         # Engine-thread state of the KV handoff (leases, KV peers).
@@ -598,6 +599,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         if self.stream_batch_s > 0:
             out.extend(self._overdue_chunks(grouped, now))
         self._record_prefix_cache()
+        self._record_speculation()
         self._publish_load(0)
         self._deliver(out)
 
@@ -698,6 +700,15 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         if hits > 0:
             self.metrics.prefix_cache_hits.inc(hits)
         self._prefix_seen = seen
+
+    def _record_speculation(self) -> None:
+        speculator = getattr(self.engine, "speculator", None)
+        if speculator is None:
+            return
+        stats = speculator.stats
+        seen = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        self.metrics.record_speculation(*(now - before for now, before in zip(seen, self._spec_seen)), stats.take_accepted_lengths())
+        self._spec_seen = seen
 
     def _publish_load(self, adds_applied: int) -> None:
         scheduler = self.engine.scheduler

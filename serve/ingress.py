@@ -72,6 +72,7 @@ from flotilla.serve.elastic_ep import NEW_EP_SIZE, NEW_EP_SIZE_ALIAS, ElasticSca
 from flotilla.serve.metrics import merge_expositions
 from flotilla.serve.openai_responses import ResponsesRequest, answer, chat_request_of, responses_params
 from flotilla.cluster.engine.limits import block_size_for
+from flotilla.cluster.engine.speculative import speculation_summary
 from flotilla.cluster.models.tokenizer import load_chat_template
 from flotilla.serve.prompts import Prompt, normalize_prompts, prefix_key, render_chat
 from flotilla.serve.assistant_output import AssistantOutput
@@ -405,7 +406,10 @@ class _Ingress:
         # NOTE: root is the --model value as given (the embedded model: its name), never a
         # resolved path of this machine's file system.
         root = self.options.model or self.served_model
-        card = ModelCard(id=self.served_model, root=str(root), max_model_len=self.max_model_len)
+        card = ModelCard(
+            id=self.served_model, root=str(root), max_model_len=self.max_model_len,
+            speculative_decoding=speculation_summary(self.config),
+        )
         return ModelList(data=[card])
 
     async def model(self, model_id: str) -> Response:

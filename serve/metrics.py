@@ -13,6 +13,10 @@ and every series carries a ``replica`` label and a ``pool`` label (the replica's
 - counters ``prompt_tokens_total``, ``generation_tokens_total``,
   ``request_success_total{finished_reason}``, ``prefix_cache_queries_total`` and
   ``prefix_cache_hits_total`` (both in prompt tokens);
+- speculative decoding (``--speculative-algorithm``): counters ``spec_decode_num_drafts_total``
+  (rounds: a request verifying drafts in one step), ``spec_decode_num_draft_tokens_total``,
+  ``spec_decode_num_accepted_tokens_total`` and the histogram ``spec_decode_accepted_length``
+  (drafts accepted per round); zero without speculation;
 - KV handoff (prefill/decode disaggregation): gauges ``kv_cache_used_blocks`` (blocks
   referenced by requests or held for a handoff, not merely cached) and
   ``kv_transfer_leased_blocks`` (prefill side: blocks held under a lease for a decode
@@ -68,6 +72,8 @@ _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 _KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _EP_SCALE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 _EP_COMMIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Drafts accepted per speculative round (a count; rounds verify up to num_draft_tokens).
+_ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 # TTFTs kept for the elastic EP autoscaler (EngineMetrics.ttfts_since); the oldest go first.
 RECENT_TTFTS = 4096
 
@@ -142,6 +148,14 @@ class EngineMetrics:
         self.kv_transfer_seconds = histogram(
             "kv_transfer_seconds", "Seconds one successful read of a prompt's KV blocks took.", _KV_TRANSFER_BUCKETS
         )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative rounds verified (a request verifying drafts in one step)."
+        )
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Drafted tokens accepted.")
+        self.spec_decode_accepted_length = histogram(
+            "spec_decode_accepted_length", "Drafts accepted in one speculative round.", _ACCEPTED_LENGTH_BUCKETS
+        )
         self._labels = labels
         self._request_success = Counter(
             PREFIX + "request_success",
@@ -153,6 +167,15 @@ class EngineMetrics:
     def record_finished(self, finished_reason: str) -> None:
         """Count one finished completion."""
         self._request_success.labels(**self._labels, finished_reason=finished_reason).inc()
+
+    def record_speculation(self, drafts: int, draft_tokens: int, accepted_tokens: int, accepted_lengths: Iterable[int]) -> None:
+        """Count speculative rounds since the last call (see :class:`~flotilla.cluster.engine.speculative.SpecDecodeStats`)."""
+        if drafts:
+            self.spec_decode_num_drafts.inc(drafts)
+            self.spec_decode_num_draft_tokens.inc(draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(accepted_tokens)
+        for length in accepted_lengths:
+            self.spec_decode_accepted_length.observe(length)
 
     def record_kv_transfer(self, num_bytes: int, seconds: float) -> None:
         """Count one successful KV read of ``num_bytes`` that took ``seconds``."""

@@ -477,6 +477,8 @@ class ModelCard(BaseModel):
     owned_by: str = "flotilla"
     root: str | None = None
     max_model_len: int | None = None
+    # Speculative decoding, when on: {"algorithm", "num_draft_tokens"[, "draft_model"]}.
+    speculative_decoding: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

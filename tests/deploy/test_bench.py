@@ -152,6 +152,25 @@ def test_bench_offline_passes_the_kv_cache_dtype_through(tiny_dir, tmp_path, cap
     assert data["flotilla"]["roofline"]["kv_bytes_per_step_mean"] == pytest.approx(60 * TINY_KV_BYTES_PER_TOKEN // 4)
 
 
+@pytest.mark.parametrize("kind", ["latency", "offline"])
+def test_bench_reports_speculation_and_its_speedup_over_the_same_workload(kind, tiny_dir, tmp_path, capsys):
+    """``--speculative-algorithm NGRAM``: the JSON says what was drafted and accepted in the
+    measured run (the random model repeats itself, so NGRAM finds drafts), and the speedup over
+    the same prompts run again without speculation on the same runner."""
+    out = tmp_path / f"{kind}-spec.json"
+    size = ["--batch-size", "2", "--num-iters", "1"] if kind == "latency" else ["--num-prompts", "3"]
+    argv = ["bench", kind, "--model", str(tiny_dir), "--load-format", "dummy", *size, "--input-len", "12",
+            "--output-len", "48", "--warmup-steps", "0", "--bandwidth-bytes", COPY_BYTES,
+            "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "speculative decoding NGRAM (3 drafts per step)" in capsys.readouterr().out
+    spec = json.loads(out.read_text())["flotilla"]["speculative_decoding"]
+    assert spec["algorithm"] == "NGRAM" and spec["num_draft_tokens"] == 3
+    assert spec["draft_tokens"] >= spec["accepted_tokens"] > 0 and spec["rounds"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
+    assert spec["baseline_output_tok_s"] > 0 and spec["speedup"] > 0
+
+
 def test_bench_offline_reports_the_host_tier_blocks_of_the_run(tiny_dir, tmp_path, capsys):
     """With ``--enable-hierarchical-cache`` and a pool the batch outgrows (4 blocks of 16 tokens
     for five 10 + 20-token requests), the JSON counts the blocks the timed run offloaded to the

@@ -143,6 +143,31 @@ def test_concurrent_requests_get_the_tokens_of_the_engine_alone_and_metrics_coun
         assert sample(engine, "flotilla:num_requests_running") == 0
 
 
+def test_a_speculating_engine_streams_the_plain_tokens_and_counts_its_drafts(model_dir):
+    """NGRAM on the replica's engine: each stream gets the plain engine's tokens (a step may
+    bring several per request), and the spec_decode_* metrics count what the engine verified."""
+    prompts = [p * 3 for p in random_prompts([4, 6, 8, 5], VOCAB)]  # repeats: the trie has matches
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    oracle = make_engine(model_dir)
+    expected = [alone(oracle, p, params).outputs[0].token_ids for p in prompts]
+    with async_engine(model_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5) as engine:
+
+        async def main():
+            return await asyncio.gather(*(collect(engine, request(p, params, f"r{i}")) for i, p in enumerate(prompts)))
+
+        results = asyncio.run(main())
+        assert [tokens_by_index(chunks) for chunks in results] == [{0: want} for want in expected]
+        stats = engine.engine.speculator.stats
+        assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
+        assert sample(engine, "flotilla:spec_decode_num_drafts_total") == stats.num_drafts
+        assert sample(engine, "flotilla:spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+        assert sample(engine, "flotilla:spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
+        assert sample(engine, "flotilla:spec_decode_accepted_length_count") == stats.num_drafts
+        assert sample(engine, "flotilla:spec_decode_accepted_length_sum") == stats.num_accepted_tokens
+        assert sample(engine, "flotilla:generation_tokens_total") == 4 * 40
+        assert engine.engine.scheduler.pool.num_used_blocks == 0
+
+
 def test_n2_completions_interleave_and_match_the_engine_alone(model_dir):
     params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
     prompt = random_prompts([9], VOCAB, seed=3)[0]

@@ -433,6 +433,25 @@ def stub_app(mode):
     return engine, create_app(engine, None, ServeOptions(served_model_name=MODEL), default_cpu_config())
 
 
+def test_the_model_card_says_which_proposer_runs():
+    from flotilla.resolution.config import ResolvedConfig, thaw
+
+    plain = default_cpu_config()
+    spec = ResolvedConfig.build(
+        {**thaw(plain.config), "speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}, dict(plain.env), ()
+    )
+
+    async def card(config):
+        app = create_app(StubEngine("ok"), None, ServeOptions(served_model_name=MODEL), config)
+        http, api = clients(app)
+        listed = (await http.get("/v1/models")).json()["data"][0]
+        assert (await api.models.retrieve(MODEL)).model_dump()["speculative_decoding"] == listed["speculative_decoding"]
+        return listed["speculative_decoding"]
+
+    assert run(lambda: card(plain)) is None
+    assert run(lambda: card(spec)) == {"algorithm": "NGRAM", "num_draft_tokens": 5}
+
+
 def test_engine_refusals_and_failures():
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4}
 
