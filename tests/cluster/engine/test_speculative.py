@@ -239,6 +239,9 @@ def test_greedy_verification_accepts_the_matching_prefix_then_the_target_token()
 
 # Upper 0.1% points of the chi-square distribution (significance level 0.001).
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+CHI2_999_WIDE = {
+    **CHI2_999, 8: 26.12, 9: 27.88, 10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70,
+}  # fmt: skip
 
 
 def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, int]:
@@ -281,6 +284,68 @@ def test_sampled_verification_keeps_the_target_distribution(params):
     accepted = sum(len(e) > 1 for e in emitted) / rows_n
     p_accept = float(probs[0, 2])
     assert abs(accepted - p_accept) < 4 * math.sqrt(p_accept * (1 - p_accept) / rows_n)
+
+
+class FixedDrafts:
+    """A proposer that drafts the same tokens for every request (the test's choice)."""
+
+    name = "FIXED"
+
+    def __init__(self, drafts: list[int]):
+        self.drafts = drafts
+
+    def propose(self, wants):
+        return {request.request_id: list(self.drafts) for request, _ in wants}
+
+    def forget(self, request_id):
+        pass
+
+
+def test_the_engine_samples_the_tiny_models_distribution_with_speculation(tiny_llama_prompts):
+    """End to end on the tiny Llama (temperature 1, top-k 4): 3000 unseeded requests of 4
+    tokens each verify the drafts (d2, d3) after their first token. Among those whose first
+    token x1 is the most likely one, the joint of (x2, x3) must be the model's own
+    p(x2 | x1) p(x3 | x1, x2), read from the plain engine's raw logprobs (top-4, renormalised
+    as top-k does): a chi-square test at significance 0.001 with a fixed seed."""
+    path, prompts = tiny_llama_prompts
+    prompt = prompts[1]
+    llm = LLM(path, max_total_tokens=8192, random_seed=3, speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    try:
+        plain = engine_with(llm, speculative_algorithm=None)
+
+        def top4(context):
+            (out,) = run(plain, [context], [SamplingParams(temperature=0, max_tokens=1, logprobs=4)])
+            step = out.logprobs[0]
+            tokens = sorted(step, key=lambda t: step[t].rank)[:4]
+            weights = torch.tensor([step[t].logprob for t in tokens]).exp()
+            return tokens, weights / weights.sum()
+
+        first, _ = top4(prompt)
+        x1 = first[0]
+        second, p2 = top4(prompt + [x1])
+        joint = {}
+        for x2, q2 in zip(second, p2):
+            third, p3 = top4(prompt + [x1, x2])
+            for x3, q3 in zip(third, p3):
+                joint[(x2, x3)] = float(q2 * q3)
+        d2 = second[0]
+        d3 = top4(prompt + [x1, d2])[0][0]
+        spec = llm.engine
+        spec.speculator = Speculator(FixedDrafts([d2, d3]), num_draft_tokens=2)
+        params = SamplingParams(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True)
+        outputs = run(spec, [prompt] * 3000, [params] * 3000)
+        pairs = [tuple(o.token_ids[1:3]) for o in outputs if o.token_ids[0] == x1]
+        assert len(pairs) > 500
+        keys = sorted(joint)
+        assert set(pairs) <= set(keys)
+        counts = torch.tensor([float(pairs.count(k)) for k in keys])
+        stat, dof = chi_square(counts, torch.tensor([joint[k] for k in keys]))
+        assert stat < CHI2_999_WIDE[dof], (stat, dof)
+        stats = spec.stats()
+        assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
+        assert spec.scheduler.pool.num_used_blocks == 0
+    finally:
+        llm.shutdown()
 
 
 def test_a_constrained_row_needs_a_bitmask_for_every_drafted_position():
