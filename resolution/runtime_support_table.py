@@ -680,8 +680,9 @@ _MAMBA = refused(
     "enable_linear_replayssm_spec",
 )
 
-# Algorithms the engine runs (cluster/engine/speculative.py).
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+# Algorithms the engine runs (cluster/engine/speculative.py); EAGLE only as NEXTN does (the
+# checkpoint's MTP layers: resolution spells NEXTN as EAGLE).
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN", "EAGLE")
 
 
 def _speculative_algorithm(value: Any, given: Mapping[str, Any], model: Any) -> str | None:
@@ -690,20 +691,42 @@ def _speculative_algorithm(value: Any, given: Mapping[str, Any], model: Any) -> 
     algorithm = str(value).upper()
     if algorithm not in SPECULATIVE_ALGORITHMS:
         return (
-            f"{value} drafting is not built yet (EAGLE, EAGLE3, NEXTN/MTP, FROZEN_KV_MTP, DFLASH and DSPARK); "
-            "use --speculative-algorithm NGRAM, or STANDALONE with --speculative-draft-model-path"
+            f"{value} drafting is not built yet (EAGLE3, FROZEN_KV_MTP, DFLASH and DSPARK); use --speculative-algorithm "
+            "NGRAM, NEXTN (a checkpoint's MTP layers), or STANDALONE with --speculative-draft-model-path"
         )
-    if algorithm == "STANDALONE":
-        if given.get("speculative_draft_model_path") is None:
-            return "STANDALONE drafts with a second model: pass --speculative-draft-model-path (e.g. a smaller model of the target's family)"
+    draft = given.get("speculative_draft_model_path")
+    if algorithm in ("NEXTN", "EAGLE"):
+        if draft is not None and draft != given.get("model_path"):
+            return (
+                f"{value} with a separate draft checkpoint is an EAGLE head, not built yet; NEXTN drafts with the "
+                "target checkpoint's own MTP layers (leave --speculative-draft-model-path out), or use STANDALONE for "
+                "a separate draft model"
+            )
+        layers = _mtp_layers(model)
+        if layers == 0:
+            return (
+                f"{value} drafts with the checkpoint's MTP (next-n) layers, and this model's config.json has none "
+                "(num_nextn_predict_layers is 0 or missing); use NGRAM, or STANDALONE with a draft model"
+            )
+    elif algorithm == "STANDALONE" and draft is None:
+        return "STANDALONE drafts with a second model: pass --speculative-draft-model-path (e.g. a smaller model of the target's family)"
+    if algorithm != "NGRAM":
         sizes = {name: int(given.get(name) or 1) for name in ("tp_size", "ep_size", "dp_size")}
         if max(sizes.values()) > 1:
             shown = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
             return (
-                f"STANDALONE's draft model runs in the engine's own process, not on a worker group's ranks ({shown}); "
+                f"{algorithm}'s drafter runs beside an in-process model runner, not on a worker group's ranks ({shown}); "
                 "serve it on one rank, or use NGRAM (which speculates on worker groups)"
             )
     return None
+
+
+def _mtp_layers(model: Any) -> int | None:
+    """The model's MTP layers (config.json's ``num_nextn_predict_layers``); None when unknown."""
+    raw = getattr(model, "hf_raw_dict", None) if model is not None else None
+    if raw is None:
+        return None
+    return int(raw.get("num_nextn_predict_layers") or 0)
 
 
 def _speculative_num_steps(value: Any, given: Mapping[str, Any], model: Any) -> str | None:
@@ -714,7 +737,8 @@ def _speculative_num_steps(value: Any, given: Mapping[str, Any], model: Any) -> 
 
 _SPECULATIVE_HONORED = _table(
     honored(
-        "the engine drafts with this proposer and verifies the drafts in one forward (cluster/engine/speculative.py)",
+        "the engine drafts with this proposer (NGRAM, STANDALONE, NEXTN: a checkpoint's MTP layers) and verifies "
+        "the drafts in one forward (cluster/engine/speculative.py)",
         "speculative_algorithm",
         accepts=_speculative_algorithm,
     ),
@@ -723,7 +747,7 @@ _SPECULATIVE_HONORED = _table(
         "speculative_num_draft_tokens",
     ),
     honored(
-        "STANDALONE: drafts per step (the draft model runs this many steps)",
+        "STANDALONE and NEXTN: drafts per step (the drafter runs this many steps)",
         "speculative_num_steps",
         accepts=_speculative_num_steps,
     ),

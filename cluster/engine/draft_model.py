@@ -127,6 +127,9 @@ class DraftModelProposer:
         if request_id in self._states:
             self._drop(request_id)
 
+    def observe(self, step: Any) -> None:
+        pass  # NOTE: the draft request catches up with the target's tokens when it next drafts
+
     def _drop(self, request_id: str) -> None:
         draft = self._states.pop(request_id)
         self.pool.free(draft.block_ids)

@@ -205,7 +205,7 @@ class LLMEngine:
         # Set when the runner failed (a worker died, a collective timed out): see restart().
         self.dead: EngineDeadError | None = None
         # Speculative decoding (--speculative-algorithm; None when off).
-        self.speculator = speculator_for(config, source, self.runner)
+        self.speculator = speculator_for(config, source, self.runner, self.scheduler)
         if self.speculator is not None:
             _require_single_pool(self.scheduler)
         self.overlap = self._overlap_wanted(overlap)
@@ -438,6 +438,8 @@ class LLMEngine:
             delta = self._update_emitted(self._sequences[request.request_id], by_id[request.request_id])
             self._keep_for_stream(delta)
             deltas.append(delta)
+        if self.speculator is not None:
+            self.speculator.proposer.observe(step)
         return deltas
 
     def _propose(self) -> None:

@@ -152,6 +152,10 @@ class ModelRunner:
                 rms_norm_linear=registry.get("rms_norm_linear", self.backends.linear),
             )
         self.load_recorder = self._make_load_recorder(config)
+        # Speculative decoding with a hidden-state drafter (MTP): every step runs eagerly and
+        # leaves its final hidden states [T, H] (schedule order) in last_hidden.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         # Embedding requests' pooling, and the last step's pooled rows (row -> vector).
         self.pooler = HiddenPooler()
         self.last_pooled: dict[int, list[float] | None] = {}
@@ -385,20 +389,23 @@ class ModelRunner:
         A pure decode step that fits a captured CUDA graph replays it (every row's logits,
         valid until the next step); any other step runs eagerly (attention planned once, then
         the forward). ``feed``: see :meth:`launch`. A step with an embedding request runs
-        eagerly and leaves its pooled rows in :attr:`last_pooled`."""
+        eagerly and leaves its pooled rows in :attr:`last_pooled`; with :attr:`keep_hidden` every
+        step runs eagerly and leaves its final hidden states in :attr:`last_hidden`."""
         self._move_host_kv(step)
         input_ids, positions, meta, sample_index = self.prepare_inputs(step, allow_pending=feed is not None)
         if feed is not None:
             _feed_pending_tokens(input_ids, step, feed)
         pooling = pools(step)
         self.last_pooled = {}
-        if self.graphs is not None and not pooling:
+        if self.graphs is not None and not pooling and not self.keep_hidden:
             logits = self.graphs.run(input_ids, positions, meta)
             if logits is not None:
                 # NOTE: in a decode step the sampling rows are the first rows in order, so
                 # equal counts mean every row samples.
                 return logits if sample_index.shape[0] == logits.shape[0] else logits.index_select(0, sample_index)
         hidden = self.forward(input_ids, positions, meta)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         if pooling:
             self.last_pooled = self.pooler.pool(step, hidden)
         if sample_index.shape[0] == 0:

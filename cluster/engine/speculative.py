@@ -34,7 +34,7 @@ from typing import Any, Protocol, Sequence
 
 from flotilla.cluster.engine.request import Request
 
-ALGORITHMS = ("NGRAM", "STANDALONE")
+ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
 
 
 class Proposer(Protocol):
@@ -51,6 +51,11 @@ class Proposer(Protocol):
 
     def forget(self, request_id: str) -> None:
         """Drop what the proposer holds for a finished request (no-op for one it never saw)."""
+        ...
+
+    def observe(self, step: Any) -> None:
+        """After each step (its requests updated): what a drafter that reads the step's hidden
+        states takes from it (NEXTN); a no-op for the others."""
         ...
 
 
@@ -125,11 +130,17 @@ def _num_drafts(config: Any, algorithm: str) -> int:
     """``k``, the drafts a request verifies per step, from the resolved config."""
     # NOTE: NGRAM's draft tree counts the verified token as its root; STANDALONE drafts one
     # token per draft-model step (resolution sets num_draft_tokens = num_steps + 1 for it).
-    field = "speculative_num_steps" if algorithm == "STANDALONE" else "speculative_num_draft_tokens"
+    field = "speculative_num_draft_tokens" if algorithm == "NGRAM" else "speculative_num_steps"
     size = getattr(config, field, None)
     if size is None:
         raise ValueError(f"{field}: unset for speculative_algorithm={algorithm}; resolve the config first")
-    return int(size) if algorithm == "STANDALONE" else int(size) - 1
+    return int(size) - 1 if algorithm == "NGRAM" else int(size)
+
+
+def _drafts_from_the_target(config: Any) -> bool:
+    """EAGLE/NEXTN with the target's own checkpoint as the draft (its MTP layers)."""
+    path = getattr(config, "speculative_draft_model_path", None)
+    return path is None or path == getattr(config, "model_path", None)
 
 
 def speculative_algorithm_of(config: Any) -> str | None:
@@ -147,18 +158,21 @@ def speculation_summary(config: Any) -> dict[str, Any] | None:
     algorithm = speculative_algorithm_of(config)
     if algorithm is None:
         return None
-    summary: dict[str, Any] = {"algorithm": algorithm, "num_draft_tokens": _num_drafts(config, algorithm)}
+    shown = "NEXTN" if algorithm == "EAGLE" and _drafts_from_the_target(config) else algorithm
+    summary: dict[str, Any] = {"algorithm": shown, "num_draft_tokens": _num_drafts(config, algorithm)}
     if algorithm == "STANDALONE":
         summary["draft_model"] = getattr(config, "speculative_draft_model_path", None)
     return summary
 
 
-def speculator_for(config: Any, source: Any, runner: Any) -> Speculator | None:
+def speculator_for(config: Any, source: Any, runner: Any, scheduler: Any = None) -> Speculator | None:
     """The speculator ``config`` asks for (None without ``--speculative-algorithm``).
 
     ``source`` and ``runner`` are the target's (a draft model must share its vocabulary and
-    device). The runtime-support table refuses the algorithms and settings not built here
-    before an engine starts; the checks below are for engines built from a config directly."""
+    device; NEXTN drafts with the runner's own model), ``scheduler`` its scheduler (NEXTN
+    takes blocks from its pool). The runtime-support table refuses the algorithms and settings
+    not built here before an engine starts; the checks below are for engines built from a
+    config directly."""
     algorithm = speculative_algorithm_of(config)
     if algorithm is None:
         return None
@@ -172,6 +186,11 @@ def speculator_for(config: Any, source: Any, runner: Any) -> Speculator | None:
         from flotilla.cluster.engine.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer.from_config(config, source, runner)
+    elif algorithm == "EAGLE" and _drafts_from_the_target(config):
+        # NOTE: resolution spells NEXTN as EAGLE, the checkpoint's MTP layers as its own draft.
+        from flotilla.cluster.engine.mtp_draft import MTPProposer
+
+        proposer = MTPProposer(runner, scheduler.pool)
     else:
         raise ValueError(f"speculative_algorithm={algorithm} is not built; use one of {', '.join(ALGORITHMS)}")
     return Speculator(proposer, k)
@@ -224,6 +243,9 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+
+    def observe(self, step: Any) -> None:
+        pass  # NOTE: the trie takes a request's new tokens when it next drafts
 
     def _insert(self, request: Request) -> None:
         seen, windows = self._states.get(request.request_id, (0, []))

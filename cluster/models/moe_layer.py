@@ -335,7 +335,7 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def moe_layers(model: nn.Module) -> list[tuple[int, FusedMoE]]:
     """Every :class:`FusedMoE` of ``model`` in module order, with its decoder layer index (read
     from the module name ``...layers.<i>....``; the ordinal among MoE layers when absent). The
-    experts of an MTP draft module (``mtp.*``, which the engine does not run yet) are left out."""
+    experts of an MTP draft module (``mtp.*``: NEXTN drafts with it, outside EPLB) are left out."""
     found = []
     experts = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoE) and not n.startswith("mtp.")]
     for ordinal, (name, module) in enumerate(experts):

@@ -16,10 +16,10 @@ embedding and LM head, which the draft shares; they are not loaded again.
 :class:`MTPHost` (a mixin of the models that have MTP layers) routes those tensors, while the
 checkpoint streams, into a :class:`MTPDraft` built on the first of them (registered as the model's
 ``mtp`` module, so it moves and loads like the rest; FP8 layers as the decoder's, other float8
-weights dequantized). A checkpoint without them builds no draft. The speculative-decoding work
-will drive it; until then the engine never runs it (its experts take no part in EPLB or elastic
-EP), and :meth:`MTPDraft.check_loaded` is what start-up verifies: every draft parameter came from
-the checkpoint.
+weights dequantized). A checkpoint without them builds no draft. ``--speculative-algorithm
+NEXTN`` drafts with it (:mod:`flotilla.cluster.engine.mtp_draft`); its experts take no part in
+EPLB or elastic EP, and :meth:`MTPDraft.check_loaded` is what start-up verifies: every draft
+parameter came from the checkpoint.
 """
 
 from __future__ import annotations

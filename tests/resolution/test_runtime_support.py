@@ -226,7 +226,7 @@ def test_flotilla_serve_exits_2_before_ray_naming_the_refused_flag(serve_answers
 
 def test_flotilla_serve_process_exits_2_listing_every_refused_flag():
     done = subprocess.run(
-        [sys.executable, "-m", "flotilla.deploy.cli", "serve", "--speculative-algorithm", "EAGLE",
+        [sys.executable, "-m", "flotilla.deploy.cli", "serve", "--speculative-algorithm", "EAGLE3",
          "--enable-torch-compile", "--quantization", "awq", "--lora-paths", "a=/x"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
@@ -235,7 +235,7 @@ def test_flotilla_serve_process_exits_2_listing_every_refused_flag():
     assert [line.split(" is not")[0].removeprefix("flotilla serve: error: ") for line in lines] == [
         "--quantization awq",
         "--enable-torch-compile",
-        "--speculative-algorithm EAGLE",
+        "--speculative-algorithm EAGLE3",
         "--lora-paths a=/x",
     ]
     assert "drop the flag" in lines[1] and "quantization_config" in lines[0]
@@ -258,8 +258,8 @@ def test_quantization_fp8_is_taken_only_for_an_fp8_checkpoint():
 def test_llm_refuses_before_loading_the_model():
     from flotilla import LLM
 
-    with pytest.raises(UnsupportedSettingsError, match=r"--speculative-algorithm EAGLE is not supported"):
-        LLM(speculative_algorithm="EAGLE")
+    with pytest.raises(UnsupportedSettingsError, match=r"--speculative-algorithm EAGLE3 is not supported"):
+        LLM(speculative_algorithm="EAGLE3")
     # NOTE: object fields have no flag; LLM(...) takes them as keywords.
     with pytest.raises(UnsupportedSettingsError, match="stat_loggers"):
         check_runtime_support({"stat_loggers": {"x": object}})

@@ -300,6 +300,9 @@ class FixedDrafts:
     def forget(self, request_id):
         pass
 
+    def observe(self, step):
+        pass
+
 
 def test_the_engine_samples_the_tiny_models_distribution_with_speculation(tiny_llama_prompts):
     """End to end on the tiny Llama (temperature 1, top-k 4): 3000 unseeded requests of 4
@@ -589,14 +592,101 @@ def test_ngram_on_a_tp2_worker_group_gives_hf_greedy_tokens(ray_cluster, tiny_ll
         grouped.shutdown()
 
 
+# -- NEXTN: the checkpoint's MTP layers --------------------------------------------------------
+
+TINY_V3 = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256, num_nextn_predict_layers=1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_v3_mtp(tmp_path_factory):
+    """``(path, HF main model, HF MTP module)``: a tiny random DeepSeek-V3 with one MTP layer in
+    DeepSeek's checkpoint layout (as tests/cluster/models/test_mtp.py saves it)."""
+    import json
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from helpers.tiny_dsa import add_checkpoint_tensors, mtp_checkpoint_tensors
+    from helpers.tiny_fp8 import randomize
+    from helpers.tiny_glm import randomize_correction_bias
+
+    def randomized(module, seed):
+        randomize(module, seed)
+        randomize_correction_bias(module, seed)
+        return module.eval()
+
+    torch.manual_seed(0)
+    main = randomized(DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_V3)), 0)
+    mtp = randomized(MtpModel(main, 1), 7)
+    path = tmp_path_factory.mktemp("tiny-v3-mtp")
+    main.save_pretrained(path)
+    add_checkpoint_tensors(path, mtp_checkpoint_tensors(main, mtp.state_dict(), TINY_V3["num_hidden_layers"]))
+    config = json.loads((path / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path), main, mtp
+
+
+def test_nextn_drafts_transformers_mtp_prediction_and_keeps_the_greedy_tokens(tiny_v3_mtp):
+    """NEXTN on a tiny DeepSeek-V3: after the prefill, the first draft is what transformers'
+    MTP layer predicts from the main model's final hidden states and the shifted tokens (its
+    logits agree within 1e-4, test_mtp.py; the argmax leads by more); the greedy tokens with
+    speculation are HF's (leads above ENGINE_MIN_LEAD, asserted), alone and under preemption;
+    the MTP layer's random weights rarely guess right, which changes speed, not tokens."""
+    from helpers.margins import ENGINE_MIN_LEAD, topk_margin
+    from helpers.tiny_models import hf_greedy
+
+    path, main, mtp = tiny_v3_mtp
+    prompts = [[5, 9, 17, 3, 44, 9, 17, 3, 60, 2], list(range(20, 46)), [7, 7, 8, 8, 9, 9, 100, 101]]
+    new_tokens = 24
+    expected = [hf_greedy(main, p, new_tokens, min_lead=ENGINE_MIN_LEAD) for p in prompts]
+    llm = LLM(path, max_total_tokens=1024, speculative_algorithm="NEXTN")  # resolution: 3 steps, top-1
+    try:
+        engine = llm.engine
+        assert engine.speculator.name == "NEXTN" and engine.speculator.num_draft_tokens == 3
+        assert speculation_summary(engine.config) == {"algorithm": "NEXTN", "num_draft_tokens": 3}
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        rid = engine.add_request(prompts[0], params)
+        engine.step()  # the prefill: the first token, and the MTP layer over the prompt
+        first = engine.get_output(rid).outputs[0].token_ids[0]
+        with torch.no_grad():
+            hidden = main.model(torch.tensor([prompts[0]])).last_hidden_state
+            ids = torch.tensor([prompts[0][1:] + [first]])
+            out = mtp.forward_layer(0, hidden, torch.arange(len(prompts[0]))[None], None, input_ids=ids)
+            logits = mtp._project_to_logits(out)[0, -1]
+        assert topk_margin(logits) > 2e-4
+        assert engine.speculator.proposer._next[rid].token == int(logits.argmax())
+        for _ in engine.iter_outputs():
+            pass
+        assert engine.pop_output(rid).outputs[0].token_ids == expected[0]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+        # Preemption: a pool of 6 blocks of 16 tokens for three requests of up to 50.
+        small = dataclasses.replace(engine.runner.kv_layout, num_blocks=6)
+        engine.scheduler = build_scheduler(engine.config, scheduler_config_for(engine.config, small))
+        engine.speculator.proposer.pool = engine.scheduler.pool
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert engine.scheduler.num_preemptions > 0
+        engine.scheduler.check_invariants()
+        assert engine.scheduler.pool.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
 # -- start-up refusals ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "given, needle",
     [
-        ({"speculative_algorithm": "EAGLE"}, "EAGLE drafting is not built yet"),
-        ({"speculative_algorithm": "NEXTN"}, "NEXTN drafting is not built yet"),
+        ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 drafting is not built yet"),
+        ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/x/head"}, "an EAGLE head, not built yet"),
+        ({"speculative_algorithm": "NEXTN", "tp_size": 2}, "tp_size=2"),
         ({"speculative_algorithm": "STANDALONE"}, "pass --speculative-draft-model-path"),
         ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "smollm2", "tp_size": 2}, "tp_size=2"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3}, "drop --speculative-num-steps"),
@@ -609,6 +699,24 @@ def test_settings_that_cannot_run_are_refused_naming_the_flag(given, needle):
     assert any(needle in line for line in lines), lines
     assert refusals({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}) == ()
     assert refusals({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "smollm2"}) == ()
+
+
+def test_nextn_on_a_model_without_mtp_layers_is_refused(tiny_v3_mtp):
+    import json
+    from pathlib import Path
+
+    from flotilla.resolution import ModelFacts
+
+    config = json.loads((Path(tiny_v3_mtp[0]) / "config.json").read_text())
+    assert refusals({"speculative_algorithm": "NEXTN"}, ModelFacts.from_hf_config(config)) == ()
+    (refusal,) = refusals({"speculative_algorithm": "NEXTN"}, ModelFacts.from_hf_config({**config, "num_nextn_predict_layers": 0}))
+    assert "num_nextn_predict_layers is 0 or missing" in refusal.line
+    done = subprocess.run(
+        [sys.executable, "-m", "flotilla.deploy.cli", "serve", "--speculative-algorithm", "NEXTN"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--speculative-algorithm NEXTN is not supported" in done.stderr and "MTP" in done.stderr
 
 
 def test_flotilla_serve_exits_2_for_standalone_without_a_draft_model():
