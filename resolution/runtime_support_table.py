@@ -680,8 +680,8 @@ _MAMBA = refused(
     "enable_linear_replayssm_spec",
 )
 
-# Algorithms the engine runs (cluster/engine/speculative.py); EAGLE only as NEXTN does (the
-# checkpoint's MTP layers: resolution spells NEXTN as EAGLE).
+# Algorithms the engine runs (cluster/engine/speculative.py); EAGLE with an EAGLE-1 head, or
+# without a draft path as NEXTN (the checkpoint's MTP layers: resolution spells NEXTN as EAGLE).
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN", "EAGLE")
 
 
@@ -692,21 +692,21 @@ def _speculative_algorithm(value: Any, given: Mapping[str, Any], model: Any) -> 
     if algorithm not in SPECULATIVE_ALGORITHMS:
         return (
             f"{value} drafting is not built yet (EAGLE3, FROZEN_KV_MTP, DFLASH and DSPARK); use --speculative-algorithm "
-            "NGRAM, NEXTN (a checkpoint's MTP layers), or STANDALONE with --speculative-draft-model-path"
+            "NGRAM, NEXTN (a checkpoint's MTP layers), EAGLE (an EAGLE-1 head), or STANDALONE with a draft model"
         )
     draft = given.get("speculative_draft_model_path")
-    if algorithm in ("NEXTN", "EAGLE"):
-        if draft is not None and draft != given.get("model_path"):
-            return (
-                f"{value} with a separate draft checkpoint is an EAGLE head, not built yet; NEXTN drafts with the "
-                "target checkpoint's own MTP layers (leave --speculative-draft-model-path out), or use STANDALONE for "
-                "a separate draft model"
-            )
+    if algorithm == "NEXTN" and draft is not None and draft != given.get("model_path"):
+        return (
+            "NEXTN drafts with the target checkpoint's own MTP layers: leave --speculative-draft-model-path out, or "
+            "use EAGLE for an EAGLE head, STANDALONE for a separate draft model"
+        )
+    if algorithm in ("NEXTN", "EAGLE") and (draft is None or draft == given.get("model_path")):
         layers = _mtp_layers(model)
         if layers == 0:
             return (
-                f"{value} drafts with the checkpoint's MTP (next-n) layers, and this model's config.json has none "
-                "(num_nextn_predict_layers is 0 or missing); use NGRAM, or STANDALONE with a draft model"
+                f"{value} without a draft path drafts with the checkpoint's MTP (next-n) layers, and this model's "
+                "config.json has none (num_nextn_predict_layers is 0 or missing); pass an EAGLE head with "
+                "--speculative-draft-model-path, or use NGRAM, or STANDALONE with a draft model"
             )
     elif algorithm == "STANDALONE" and draft is None:
         return "STANDALONE drafts with a second model: pass --speculative-draft-model-path (e.g. a smaller model of the target's family)"
@@ -737,7 +737,8 @@ def _speculative_num_steps(value: Any, given: Mapping[str, Any], model: Any) -> 
 
 _SPECULATIVE_HONORED = _table(
     honored(
-        "the engine drafts with this proposer (NGRAM, STANDALONE, NEXTN: a checkpoint's MTP layers) and verifies "
+        "the engine drafts with this proposer (NGRAM, STANDALONE, NEXTN: a checkpoint's MTP layers, EAGLE: an EAGLE-1 "
+        "head) and verifies "
         "the drafts in one forward (cluster/engine/speculative.py)",
         "speculative_algorithm",
         accepts=_speculative_algorithm,

@@ -57,21 +57,8 @@ class DraftModelProposer:
         """The draft runner for ``--speculative-draft-model-path`` (its revision, load format
         and KV cache dtype from the ``speculative_draft_*`` fields), built in this process."""
         from flotilla.cluster.engine.model_runner import ModelRunner
-        from flotilla.cluster.models.sources import resolve_model_source
 
-        path = getattr(config, "speculative_draft_model_path", None)
-        if path is None:
-            raise ValueError("speculative_draft_model_path: STANDALONE speculative decoding needs a draft model; pass --speculative-draft-model-path")
-        revision = getattr(config, "speculative_draft_model_revision", None)
-        # NOTE: "main" is resolution's default for an unset revision: the cache's current
-        # snapshot of a hub id, and no revision at all for a local path or the embedded model.
-        try:
-            draft_source = resolve_model_source(path, None if revision in (None, "main") else revision)
-        except ValueError as exc:
-            raise ValueError(
-                f"speculative_draft_model_path={path!r}, speculative_draft_model_revision={revision!r}: {exc}"
-            ) from None
-        return cls(ModelRunner(draft_config(config), draft_source), int(target_runner.vocab_size))
+        return cls(ModelRunner(draft_config(config), draft_source_of(config)), int(target_runner.vocab_size))
 
     def propose(self, wants: Sequence[tuple[Request, int]]) -> dict[str, list[int]]:
         live = {request.request_id for request, _ in wants}
@@ -139,6 +126,23 @@ class DraftModelProposer:
     def num_held_blocks(self) -> int:
         """Draft-cache blocks held for requests in decode (0 once none is)."""
         return self.pool.num_used_blocks
+
+
+def draft_source_of(config: ResolvedConfig) -> Any:
+    """The :class:`ModelSource` of ``--speculative-draft-model-path`` at
+    ``--speculative-draft-model-revision``; ValueError naming both when it is not found."""
+    from flotilla.cluster.models.sources import resolve_model_source
+
+    path = getattr(config, "speculative_draft_model_path", None)
+    if path is None:
+        raise ValueError("speculative_draft_model_path: this speculative algorithm needs a draft model; pass --speculative-draft-model-path")
+    revision = getattr(config, "speculative_draft_model_revision", None)
+    # NOTE: "main" is resolution's default for an unset revision: the cache's current
+    # snapshot of a hub id, and no revision at all for a local path or the embedded model.
+    try:
+        return resolve_model_source(path, None if revision in (None, "main") else revision)
+    except ValueError as exc:
+        raise ValueError(f"speculative_draft_model_path={path!r}, speculative_draft_model_revision={revision!r}: {exc}") from None
 
 
 def draft_config(config: ResolvedConfig) -> ResolvedConfig:

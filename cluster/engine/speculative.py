@@ -20,10 +20,12 @@ One round, inside :meth:`LLMEngine.step <flotilla.cluster.engine.llm_engine.LLME
    completion where they would without speculation (later tokens are dropped).
 
 Proposers (``--speculative-algorithm``): ``NGRAM`` (:class:`NgramProposer`: lookup in a trie
-of the requests' own tokens, no draft model) and ``STANDALONE``
+of the requests' own tokens, no draft model), ``STANDALONE``
 (:class:`~flotilla.cluster.engine.draft_model.DraftModelProposer`: a small draft model with a
-KV pool of its own). Both draft deterministically (a chain, the most likely continuation),
-which is what makes target-only verification exact. Overlap scheduling is off while
+KV pool of its own), ``NEXTN`` and ``EAGLE``
+(:class:`~flotilla.cluster.engine.hidden_state_draft.HiddenStateProposer`: the checkpoint's MTP
+layers, or an EAGLE-1 head, over the target's hidden states). All draft deterministically (a
+chain, the most likely continuation), which is what makes target-only verification exact. Overlap scheduling is off while
 speculating (the next step's input depends on what this one accepts).
 """
 
@@ -34,7 +36,7 @@ from typing import Any, Protocol, Sequence
 
 from flotilla.cluster.engine.request import Request
 
-ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
+ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN", "EAGLE")
 
 
 class Proposer(Protocol):
@@ -186,11 +188,14 @@ def speculator_for(config: Any, source: Any, runner: Any, scheduler: Any = None)
         from flotilla.cluster.engine.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer.from_config(config, source, runner)
-    elif algorithm == "EAGLE" and _drafts_from_the_target(config):
-        # NOTE: resolution spells NEXTN as EAGLE, the checkpoint's MTP layers as its own draft.
-        from flotilla.cluster.engine.mtp_draft import MTPProposer
+    elif algorithm == "EAGLE":
+        from flotilla.cluster.engine.hidden_state_draft import eagle_proposer, mtp_proposer
 
-        proposer = MTPProposer(runner, scheduler.pool)
+        # NOTE: resolution spells NEXTN as EAGLE, with the target's checkpoint as the draft.
+        if _drafts_from_the_target(config):
+            proposer = mtp_proposer(runner, scheduler.pool)
+        else:
+            proposer = eagle_proposer(runner, scheduler.pool, config)
     else:
         raise ValueError(f"speculative_algorithm={algorithm} is not built; use one of {', '.join(ALGORITHMS)}")
     return Speculator(proposer, k)

@@ -17,7 +17,7 @@ embedding and LM head, which the draft shares; they are not loaded again.
 checkpoint streams, into a :class:`MTPDraft` built on the first of them (registered as the model's
 ``mtp`` module, so it moves and loads like the rest; FP8 layers as the decoder's, other float8
 weights dequantized). A checkpoint without them builds no draft. ``--speculative-algorithm
-NEXTN`` drafts with it (:mod:`flotilla.cluster.engine.mtp_draft`); its experts take no part in
+NEXTN`` drafts with it (:mod:`flotilla.cluster.engine.hidden_state_draft`); its experts take no part in
 EPLB or elastic EP, and :meth:`MTPDraft.check_loaded` is what start-up verifies: every draft
 parameter came from the checkpoint.
 """

@@ -305,6 +305,7 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/cluster/engine/test_field_effects.py::test_watchdog_timeout_bounds_the_wait_for_a_stuck_rank",
     ),
     "speculative_algorithm": (
+        "tests/cluster/engine/test_speculative.py::test_eagle_drafts_its_heads_prediction_and_keeps_the_greedy_tokens",
         "tests/cluster/engine/test_speculative.py::test_nextn_drafts_transformers_mtp_prediction_and_keeps_the_greedy_tokens",
         "tests/cluster/engine/test_speculative.py::test_ngram_greedy_tokens_and_logprobs_equal_the_engine_without_speculation",
         "tests/cluster/engine/test_speculative.py::test_standalone_with_smollm2_as_its_own_draft_accepts_every_greedy_draft",
@@ -317,6 +318,7 @@ EVIDENCE: dict[str, tuple[str, ...]] = {
         "tests/cluster/engine/test_speculative.py::test_standalone_with_smollm2_as_its_own_draft_accepts_every_greedy_draft",
     ),
     "speculative_draft_model_path": (
+        "tests/cluster/engine/test_speculative.py::test_eagle_drafts_its_heads_prediction_and_keeps_the_greedy_tokens",
         "tests/cluster/engine/test_speculative.py::test_standalone_with_smollm2_as_its_own_draft_accepts_every_greedy_draft",
         "tests/cluster/engine/test_speculative.py::test_the_draft_model_is_found_by_path_and_revision",
     ),

@@ -678,6 +678,98 @@ def test_nextn_drafts_transformers_mtp_prediction_and_keeps_the_greedy_tokens(ti
         llm.shutdown()
 
 
+# -- EAGLE: a draft head over the target's features ---------------------------------------------
+
+
+def save_eagle_head(path, target_dir, seed: int = 5, **extra):
+    """A tiny EAGLE-1 head for the tiny Llama at ``target_dir``: ``fc`` (with a bias) over
+    cat(embedding, feature) and one Llama decoder layer without its input norm, random.
+    Returns ``(fc, layer)``, transformers modules holding the same weights (the oracle)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = {**json.loads((target_dir / "config.json").read_text()), "num_hidden_layers": 1, "bias": True}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(seed)
+    hf_config = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    layer = LlamaDecoderLayer(hf_config, 0).eval()
+    hidden = hf_config.hidden_size
+    fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+    for param in [*layer.parameters(), *fc.parameters()]:
+        torch.nn.init.normal_(param, std=0.2)
+    layer.input_layernorm = torch.nn.Identity()
+    tensors = {f"layers.0.{k}": v.contiguous() for k, v in layer.state_dict().items()}
+    tensors.update({"fc.weight": fc.weight.detach().contiguous(), "fc.bias": fc.bias.detach().contiguous(), **extra})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return fc, layer
+
+
+def test_eagle_drafts_its_heads_prediction_and_keeps_the_greedy_tokens(tiny_llama_prompts, tmp_path):
+    """EAGLE with a tiny EAGLE-1 head over the tiny Llama: after the prefill the first draft is
+    the head's prediction computed by transformers (fc over the embeddings and the target's
+    final hidden states, one decoder layer without input norm, the target's LM head; logits
+    within float32 reordering, the argmax leading by more than 2e-4); the greedy tokens are
+    HF's (leads above ENGINE_MIN_LEAD, asserted), batched and under preemption."""
+    from pathlib import Path
+
+    from transformers import LlamaForCausalLM
+
+    from helpers.margins import ENGINE_MIN_LEAD, topk_margin
+    from helpers.tiny_models import hf_greedy
+
+    path, prompts = tiny_llama_prompts
+    target = LlamaForCausalLM.from_pretrained(path).eval()
+    fc, layer = save_eagle_head(tmp_path / "eagle", Path(path))
+    new_tokens = 24
+    expected = [hf_greedy(target, p, new_tokens, min_lead=ENGINE_MIN_LEAD) for p in prompts]
+    llm = LLM(path, max_total_tokens=1024, speculative_algorithm="EAGLE", speculative_draft_model_path=str(tmp_path / "eagle"))
+    try:
+        engine = llm.engine
+        # Resolution's Llama defaults: 5 steps (its top-k 4 tree is drafted as one chain).
+        assert engine.speculator.name == "EAGLE" and engine.speculator.num_draft_tokens == 5
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        prompt = prompts[2]
+        rid = engine.add_request(prompt, params)
+        engine.step()
+        first = engine.get_output(rid).outputs[0].token_ids[0]
+        with torch.no_grad():
+            hidden = target.model(torch.tensor([prompt])).last_hidden_state
+            ids = torch.tensor([prompt[1:] + [first]])
+            x = fc(torch.cat([target.model.embed_tokens(ids), hidden], dim=-1))
+            positions = torch.arange(len(prompt))[None]
+            causal = torch.tril(torch.ones(len(prompt), len(prompt), dtype=torch.bool))[None, None]
+            out = layer(x, attention_mask=causal, position_ids=positions, position_embeddings=target.model.rotary_emb(x, positions))
+            logits = target.lm_head(out[0] if isinstance(out, tuple) else out)[0, -1]
+        assert topk_margin(logits) > 2e-4
+        assert engine.speculator.proposer._next[rid].token == int(logits.argmax())
+        for _ in engine.iter_outputs():
+            pass
+        assert engine.pop_output(rid).outputs[0].token_ids == expected[2]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+        small = dataclasses.replace(engine.runner.kv_layout, num_blocks=6)
+        engine.scheduler = build_scheduler(engine.config, scheduler_config_for(engine.config, small))
+        engine.speculator.proposer.pool = engine.scheduler.pool
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.scheduler.pool.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_an_eagle3_head_is_refused_naming_the_draft_path(tiny_llama_prompts, tmp_path):
+    from pathlib import Path
+
+    path, _ = tiny_llama_prompts
+    save_eagle_head(tmp_path / "eagle3", Path(path), **{"lm_head.weight": torch.zeros(256, 64)})
+    with pytest.raises(ValueError, match=r"speculative_draft_model_path: the EAGLE head has its own 'lm_head.weight'"):
+        LLM(path, max_total_tokens=256, speculative_algorithm="EAGLE", speculative_draft_model_path=str(tmp_path / "eagle3"))
+
+
 # -- start-up refusals ---------------------------------------------------------------------------
 
 
@@ -685,7 +777,8 @@ def test_nextn_drafts_transformers_mtp_prediction_and_keeps_the_greedy_tokens(ti
     "given, needle",
     [
         ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 drafting is not built yet"),
-        ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/x/head"}, "an EAGLE head, not built yet"),
+        ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/x/head"}, "use EAGLE for an EAGLE head"),
+        ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/x/head", "tp_size": 2}, "tp_size=2"),
         ({"speculative_algorithm": "NEXTN", "tp_size": 2}, "tp_size=2"),
         ({"speculative_algorithm": "STANDALONE"}, "pass --speculative-draft-model-path"),
         ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "smollm2", "tp_size": 2}, "tp_size=2"),

@@ -1,23 +1,26 @@
-"""``NEXTN`` speculative decoding: the target checkpoint's own MTP (next-n) layers draft.
+"""Hidden-state drafters: ``NEXTN`` (the target checkpoint's own MTP layers) and ``EAGLE``
+(an EAGLE draft head), both reading the target's final hidden states.
 
 DeepSeek-V3/V3.2 and GLM-4.5/GLM-5 checkpoints carry MTP layers, loaded into the model's
-``mtp`` module (:mod:`flotilla.cluster.models.mtp`). MTP layer 0 at position ``p`` takes the
-embedding of token ``p + 1`` and the target's final hidden state at ``p`` and predicts token
-``p + 2``; it attends over its own paged KV cache.
+``mtp`` module (:mod:`flotilla.cluster.models.mtp`); an EAGLE head
+(:mod:`flotilla.cluster.models.eagle`) is a separate small checkpoint. Either, at position
+``p``, takes the embedding of token ``p + 1`` and the target's final hidden state at ``p`` and
+predicts token ``p + 2``, attending over its own paged KV cache.
 
 The cache shares the target's block layout and the requests' block ids (one more tensor set
-per MTP layer, as large as the target's pool), so the prefix cache covers it too: a cached
+per draft layer, as large as the target's pool), so the prefix cache covers it too: a cached
 block holds the draft KV its positions got when they were first computed.
 
-After every engine step (:meth:`MTPProposer.observe`) the MTP layer runs over the positions
-the step computed and kept (a prefill chunk's, or a verify step's original and accepted
-positions), with the tokens after them and the target's hidden states there (the runner keeps
-them: ``ModelRunner.keep_hidden``): that writes their draft KV, and its output at a decode's
-last position gives the first draft ``d_1``. :meth:`MTPProposer.propose` chains the rest as
-SGLang's NEXTN does with one MTP layer: ``d_j`` from the layer at the next position over
-``d_{j-1}``'s embedding and the layer's own output before it, one batched forward per draft.
-Those positions' blocks are taken from the scheduler's pool now (the verify step needs them
-anyway); the KV they get is overwritten when the target's hidden states arrive for them.
+After every engine step (:meth:`HiddenStateProposer.observe`) the draft runs over the
+positions the step computed and kept (a prefill chunk's, or a verify step's original and
+accepted positions), with the tokens after them and the target's hidden states there (the
+runner keeps them: ``ModelRunner.keep_hidden``): that writes their draft KV, and its output at
+a decode's last position gives the first draft ``d_1``. :meth:`HiddenStateProposer.propose`
+chains the rest as SGLang does for chain drafting (top-1): ``d_j`` from the draft at the next
+position over ``d_{j-1}``'s embedding and the draft's own output before it, one batched
+forward per draft. Those positions' blocks are taken from the scheduler's pool now (the verify
+step needs them anyway); the KV they get is overwritten when the target's hidden states arrive
+for them.
 
 Drafting is greedy, so drafts are deterministic (see
 :func:`~flotilla.cluster.engine.sampler.verify_drafts`). It runs beside an in-process
@@ -63,7 +66,7 @@ class _Positions:
 
 @dataclass
 class _Next:
-    """A decode's first draft and what the chain goes on from: the MTP layer's output at the
+    """A decode's first draft and what the chain goes on from: the draft's output at the
     request's last kept position ``position``."""
 
     position: int
@@ -71,26 +74,42 @@ class _Next:
     hidden: torch.Tensor
 
 
-class MTPProposer:
-    """Drafts with the target's MTP layer (see the module docstring).
+def mtp_proposer(runner: Any, pool: Any) -> "HiddenStateProposer":
+    """NEXTN: the target's MTP layers (its model's ``mtp`` module) draft."""
+    draft = getattr(getattr(runner, "model", None), "mtp", None)
+    if draft is None:
+        raise ValueError(
+            "speculative_algorithm: NEXTN drafts with the checkpoint's MTP layers, and this model has none "
+            "(config.json's num_nextn_predict_layers is 0 or missing) or runs on a worker group; "
+            "use NGRAM, or STANDALONE with a draft model"
+        )
+    return HiddenStateProposer(runner, pool, draft, "NEXTN")
+
+
+def eagle_proposer(runner: Any, pool: Any, config: Any) -> "HiddenStateProposer":
+    """EAGLE: the head at ``--speculative-draft-model-path`` drafts over the target's features."""
+    from flotilla.cluster.engine.draft_model import draft_source_of
+    from flotilla.cluster.models.eagle import load_eagle_head
+
+    model = getattr(runner, "model", None)
+    if model is None:
+        raise ValueError("speculative_algorithm: EAGLE drafts beside an in-process model runner, not a worker group; serve on one rank")
+    return HiddenStateProposer(runner, pool, load_eagle_head(model, draft_source_of(config)), "EAGLE")
+
+
+class HiddenStateProposer:
+    """Drafts with a module over the target's hidden states (see the module docstring).
 
     Args:
-        runner: the target's in-process :class:`~flotilla.cluster.engine.model_runner.ModelRunner`
-            (its model must have MTP layers: an ``mtp`` module).
+        runner: the target's in-process :class:`~flotilla.cluster.engine.model_runner.ModelRunner`.
         pool: the scheduler's KV block pool (the chain's positions take blocks from it).
+        draft: the draft module: ``draft(input_ids, positions, hidden, kv_caches, meta)`` -> its
+            output ``[T, H]``, ``compute_logits``, ``kv_cache_spec()``.
+        name: the algorithm, for the start-up line and the stats.
     """
 
-    name = "NEXTN"
-
-    def __init__(self, runner: Any, pool: Any):
-        draft = getattr(runner.model, "mtp", None)
-        if draft is None or not hasattr(runner, "prepare_inputs"):
-            raise ValueError(
-                "speculative_algorithm: NEXTN drafts with the checkpoint's MTP layers, and this model has none "
-                "(config.json's num_nextn_predict_layers is 0 or missing) or runs on a worker group; "
-                "use NGRAM, or STANDALONE with a draft model"
-            )
-        self.runner, self.draft, self.pool = runner, draft, pool
+    def __init__(self, runner: Any, pool: Any, draft: Any, name: str):
+        self.runner, self.draft, self.pool, self.name = runner, draft, pool, name
         runner.keep_hidden = True
         layout = runner.kv_layout
         dtype = runner.kv_caches[0][0].dtype
@@ -181,7 +200,7 @@ class MTPProposer:
 
     @torch.inference_mode()
     def _forward(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP layer over ``scheduled`` (its inputs: the tokens after each position, and
+        """The draft over ``scheduled`` (its inputs: the tokens after each position, and
         ``hidden`` [T, H] in the same order); ``(its output at each sampling position, their logits)``."""
         step = SchedulerOutput(scheduled=scheduled)
         input_ids, positions, meta, sample_index = self.runner.prepare_inputs(step)
