@@ -22,43 +22,15 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from flotilla import LLM, SamplingParams
 from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.deploy.bench_env import write_result
 from flotilla.resolution.config import ResolvedConfig, thaw
 
-CODE = '''import json
-from pathlib import Path
-
-
-class Inventory:
-    """A small store of items and their counts."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.items = {}
-
-    def load(self):
-        if self.path.exists():
-            self.items = json.loads(self.path.read_text())
-        return self.items
-
-    def add(self, name, count=1):
-        self.items[name] = self.items.get(name, 0) + count
-        return self.items[name]
-
-    def remove(self, name, count=1):
-        left = self.items.get(name, 0) - count
-        if left <= 0:
-            self.items.pop(name, None)
-            return 0
-        self.items[name] = left
-        return left
-
-    def save(self):
-        self.path.write_text(json.dumps(self.items, indent=2, sort_keys=True))
-'''
+# The block of code every prompt hands the model (a data file: it is text, not this script's code).
+CODE = (Path(__file__).resolve().parent / "spec_decode_code.txt").read_text()
 
 PROMPTS = {
     "repeat": "Repeat the following Python code exactly, with no comments:\n\n" + CODE,
