@@ -672,14 +672,15 @@ class Scheduler:
                 for token_id in tokens:
                     request.append_output_token(token_id)
                 request.num_computed_tokens += len(tokens) - 1
-                if num_drafts:
-                    self._free_past_tokens(request)
+                # NOTE: blocks past the tokens: rejected drafts', or a drafter's that went unused.
+                self._free_past_tokens(request)
                 advanced.append(request)
             self.pool.commit_full_blocks(request)
         return advanced
 
     def _free_past_tokens(self, request: Request) -> None:
-        """Free the blocks a request holds past its tokens (those its rejected drafts took)."""
+        """Free the blocks a request holds past its tokens (those its rejected drafts took, or
+        a hidden-state drafter took for drafts the step then did not verify)."""
         keep = self.pool.blocks_for_tokens(request.num_tokens)
         if len(request.block_ids) > keep:
             self.pool.free(request.block_ids[keep:])
