@@ -94,3 +94,46 @@ def test_standalone_self_draft_on_cuda_accepts_every_draft(tmp_path):
         )  # fmt: skip
     assert spec == plain and used == 0
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_acceptance_rate"] == 1.0
+
+
+def test_nextn_on_cuda_gives_the_plain_tokens(tmp_path):
+    """A tiny random DeepSeek-V3 with one MTP layer (its block a transformers decoder layer,
+    saved in DeepSeek's checkpoint layout as tests/cluster/models/test_mtp.py saves it) on
+    CUDA: the tokens with NEXTN drafting are the plain engine's."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from helpers.tiny_dsa import add_checkpoint_tensors, mtp_checkpoint_tensors
+    from helpers.tiny_fp8 import randomize
+    from helpers.tiny_glm import randomize_correction_bias
+
+    settings = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**settings)
+    main = DeepseekV3ForCausalLM(config).eval()
+    randomize(main, 0)
+    randomize_correction_bias(main, 0)
+    block = DeepseekV3DecoderLayer(config, 2).eval()
+    randomize(block, 7)
+    randomize_correction_bias(block, 7)
+    hidden = settings["hidden_size"]
+    state = {f"layers.0.mtp_block.{k}": v for k, v in block.state_dict().items()}
+    state.update({
+        "layers.0.enorm.weight": 1 + 0.1 * torch.randn(hidden), "layers.0.hnorm.weight": 1 + 0.1 * torch.randn(hidden),
+        "layers.0.eh_proj.weight": 0.2 * torch.randn(hidden, 2 * hidden), "layers.0.post_norm.weight": 1 + 0.1 * torch.randn(hidden),
+    })  # fmt: skip
+    path = tmp_path / "tiny-v3-mtp"
+    main.save_pretrained(path)
+    add_checkpoint_tensors(path, mtp_checkpoint_tensors(main, state, settings["num_hidden_layers"]))
+    written = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**written, "num_nextn_predict_layers": 1}))
+    prompts = random_prompts([8, 15, 26], 128, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain, _, _ = run(path, prompts, params)
+    spec, stats, used = run(path, prompts, params, speculative_algorithm="NEXTN")
+    assert spec == plain and stats["spec_decode_num_draft_tokens"] > 0 and used == 0
