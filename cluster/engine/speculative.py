@@ -4,10 +4,11 @@ One round, inside :meth:`LLMEngine.step <flotilla.cluster.engine.llm_engine.LLME
 
 1. propose (:meth:`Speculator.propose`): each running request in decode (one token to
    compute) that may take drafts gets up to ``k`` of them on ``Request.draft_token_ids``,
-   where ``k = --speculative-num-draft-tokens - 1`` (SGLang counts the verified token as the
-   draft tree's root; ``--speculative-num-steps`` for ``STANDALONE``) and never more than its
-   ``max_tokens`` leaves room for. Constrained
-   requests (a grammar's mask holds for one position) and embedding requests take none;
+   where ``k = --speculative-num-draft-tokens - 1`` for NGRAM (SGLang counts the verified
+   token as the draft tree's root) and ``--speculative-num-steps`` for the others, and never
+   more than its ``max_tokens`` leaves room for. Embedding requests take none; a constrained
+   request's drafts are cut where its grammar stops allowing them, and its bitmask after each
+   draft masks that position;
 2. schedule: the scheduler computes ``1 + k`` positions for such a request (fewer when the
    step's token budget or the KV pool is short: drafts are dropped before anyone is preempted);
 3. verify: the runner keeps the logits of every position, and the sampler samples each as it
@@ -17,7 +18,8 @@ One round, inside :meth:`LLMEngine.step <flotilla.cluster.engine.llm_engine.LLME
 4. accept: ``Scheduler.update`` appends the emitted tokens (``1 + accepted``), counts the
    accepted drafts' KV as computed and frees the blocks past the request's tokens; the engine
    checks stop conditions token by token, so stop strings, EOS and ``max_tokens`` end the
-   completion where they would without speculation (later tokens are dropped).
+   completion where they would without speculation (later tokens are dropped);
+5. observe (``Proposer.observe``): a hidden-state drafter reads what the step computed.
 
 Proposers (``--speculative-algorithm``): ``NGRAM`` (:class:`NgramProposer`: lookup in a trie
 of the requests' own tokens, no draft model), ``STANDALONE``
@@ -25,8 +27,9 @@ of the requests' own tokens, no draft model), ``STANDALONE``
 KV pool of its own), ``NEXTN`` and ``EAGLE``
 (:class:`~flotilla.cluster.engine.hidden_state_draft.HiddenStateProposer`: the checkpoint's MTP
 layers, or an EAGLE-1 head, over the target's hidden states). All draft deterministically (a
-chain, the most likely continuation), which is what makes target-only verification exact. Overlap scheduling is off while
-speculating (the next step's input depends on what this one accepts).
+chain, the most likely continuation), which is what makes target-only verification exact.
+Overlap scheduling is off while speculating (the next step's input depends on what this one
+accepts).
 """
 
 from __future__ import annotations
