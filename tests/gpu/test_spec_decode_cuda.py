@@ -103,16 +103,12 @@ def test_nextn_on_cuda_gives_the_plain_tokens(tmp_path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
+    from helpers.tiny_deepseek import TINY_DEEPSEEK_V3_MTP
     from helpers.tiny_dsa import add_checkpoint_tensors, mtp_checkpoint_tensors
     from helpers.tiny_fp8 import randomize
     from helpers.tiny_glm import randomize_correction_bias
 
-    settings = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256,
-    )  # fmt: skip
+    settings = {k: v for k, v in TINY_DEEPSEEK_V3_MTP.items() if k != "num_nextn_predict_layers"}
     torch.manual_seed(0)
     config = DeepseekV3Config(**settings)
     main = DeepseekV3ForCausalLM(config).eval()

@@ -27,6 +27,15 @@ TINY_DEEPSEEK_V2 = dict(
     max_position_embeddings=256,
 )
 
+# DeepSeek-V3's layout scaled down (query LoRA, grouped routing with a correction bias, one dense
+# layer first) with one MTP layer: the MTP and NEXTN tests' target.
+TINY_DEEPSEEK_V3_MTP = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256, num_nextn_predict_layers=1,
+)  # fmt: skip
+
 
 def save_tiny_deepseek_v2(path: Path, q_lora_rank: int | None = None, seed: int = 0, **overrides: Any):
     """Save a seeded tiny random DeepSeek-V2 to ``path`` (safetensors); returns the HF model.

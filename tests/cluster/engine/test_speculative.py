@@ -594,12 +594,27 @@ def test_ngram_on_a_tp2_worker_group_gives_hf_greedy_tokens(ray_cluster, tiny_ll
 
 # -- NEXTN: the checkpoint's MTP layers --------------------------------------------------------
 
-TINY_V3 = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-    norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256, num_nextn_predict_layers=1,
-)  # fmt: skip
+
+
+
+def finish_then_batched_then_preempted(llm, request_id, its_tokens, prompts, params, expected) -> None:
+    """A hidden-state drafter's engine finishes ``request_id`` (its greedy tokens
+    ``its_tokens``), then runs ``prompts`` batched, then again over a pool of 6 blocks of 16
+    tokens (three requests of up to 50: preemption): the tokens stay ``expected``, drafts were
+    verified, and no block stays used."""
+    engine = llm.engine
+    for _ in engine.iter_outputs():
+        pass
+    assert engine.pop_output(request_id).outputs[0].token_ids == its_tokens
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+    small = dataclasses.replace(engine.runner.kv_layout, num_blocks=6)
+    engine.scheduler = build_scheduler(engine.config, scheduler_config_for(engine.config, small))
+    engine.speculator.proposer.pool = engine.scheduler.pool
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert engine.scheduler.num_preemptions > 0
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.pool.num_used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -611,6 +626,7 @@ def tiny_v3_mtp(tmp_path_factory):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from transformers.modeling_layers import MtpModel
 
+    from helpers.tiny_deepseek import TINY_DEEPSEEK_V3_MTP
     from helpers.tiny_dsa import add_checkpoint_tensors, mtp_checkpoint_tensors
     from helpers.tiny_fp8 import randomize
     from helpers.tiny_glm import randomize_correction_bias
@@ -621,11 +637,11 @@ def tiny_v3_mtp(tmp_path_factory):
         return module.eval()
 
     torch.manual_seed(0)
-    main = randomized(DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_V3)), 0)
+    main = randomized(DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_DEEPSEEK_V3_MTP)), 0)
     mtp = randomized(MtpModel(main, 1), 7)
     path = tmp_path_factory.mktemp("tiny-v3-mtp")
     main.save_pretrained(path)
-    add_checkpoint_tensors(path, mtp_checkpoint_tensors(main, mtp.state_dict(), TINY_V3["num_hidden_layers"]))
+    add_checkpoint_tensors(path, mtp_checkpoint_tensors(main, mtp.state_dict(), TINY_DEEPSEEK_V3_MTP["num_hidden_layers"]))
     config = json.loads((path / "config.json").read_text())
     config["num_nextn_predict_layers"] = 1
     (path / "config.json").write_text(json.dumps(config))
@@ -661,19 +677,7 @@ def test_nextn_drafts_transformers_mtp_prediction_and_keeps_the_greedy_tokens(ti
             logits = mtp._project_to_logits(out)[0, -1]
         assert topk_margin(logits) > 2e-4
         assert engine.speculator.proposer._next[rid].token == int(logits.argmax())
-        for _ in engine.iter_outputs():
-            pass
-        assert engine.pop_output(rid).outputs[0].token_ids == expected[0]
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-        assert engine.stats()["spec_decode_num_draft_tokens"] > 0
-        # Preemption: a pool of 6 blocks of 16 tokens for three requests of up to 50.
-        small = dataclasses.replace(engine.runner.kv_layout, num_blocks=6)
-        engine.scheduler = build_scheduler(engine.config, scheduler_config_for(engine.config, small))
-        engine.speculator.proposer.pool = engine.scheduler.pool
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-        assert engine.scheduler.num_preemptions > 0
-        engine.scheduler.check_invariants()
-        assert engine.scheduler.pool.num_used_blocks == 0
+        finish_then_batched_then_preempted(llm, rid, expected[0], prompts, params, expected)
     finally:
         llm.shutdown()
 
@@ -746,17 +750,7 @@ def test_eagle_drafts_its_heads_prediction_and_keeps_the_greedy_tokens(tiny_llam
             logits = target.lm_head(out[0] if isinstance(out, tuple) else out)[0, -1]
         assert topk_margin(logits) > 2e-4
         assert engine.speculator.proposer._next[rid].token == int(logits.argmax())
-        for _ in engine.iter_outputs():
-            pass
-        assert engine.pop_output(rid).outputs[0].token_ids == expected[2]
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-        assert engine.stats()["spec_decode_num_draft_tokens"] > 0
-        small = dataclasses.replace(engine.runner.kv_layout, num_blocks=6)
-        engine.scheduler = build_scheduler(engine.config, scheduler_config_for(engine.config, small))
-        engine.speculator.proposer.pool = engine.scheduler.pool
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-        assert engine.scheduler.num_preemptions > 0
-        assert engine.scheduler.pool.num_used_blocks == 0
+        finish_then_batched_then_preempted(llm, rid, expected[2], prompts, params, expected)
     finally:
         llm.shutdown()
 

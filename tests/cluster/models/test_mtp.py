@@ -35,18 +35,14 @@ from helpers.tiny_dsa import (
     save_fp8_twin,
     tiny_dsa,
 )
+from helpers.tiny_deepseek import TINY_DEEPSEEK_V3_MTP
 from helpers.tiny_fp8 import randomize
 from helpers.tiny_glm import randomize_correction_bias, tiny_glm4_moe
 from helpers.torch_threads import one_intra_op_thread
 
 ATOL = 1e-4
 TOKENS, FIRST_CHUNK, BLOCK = 20, 12, 4
-_V3 = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-    norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256, num_nextn_predict_layers=1,
-)  # fmt: skip
+_V3 = TINY_DEEPSEEK_V3_MTP
 
 
 @pytest.fixture(autouse=True, scope="module")
