@@ -206,8 +206,6 @@ class LLMEngine:
         self.dead: EngineDeadError | None = None
         # Speculative decoding (--speculative-algorithm; None when off).
         self.speculator = speculator_for(config, source, self.runner, self.scheduler)
-        if self.speculator is not None:
-            _require_single_pool(self.scheduler)
         self.overlap = self._overlap_wanted(overlap)
         # The launched step whose tokens are still on the device (overlap scheduling).
         self._inflight: InflightStep | None = None
@@ -896,14 +894,6 @@ def _merged(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
         first.request_id, first.index, first.token_ids + then.token_ids, first.text + then.text, logprobs,
         then.finish_reason, then.stop_reason, error=then.error,
     )
-
-
-def _require_single_pool(scheduler: Any) -> None:
-    if not hasattr(scheduler, "running"):
-        raise NotImplementedError(
-            f"speculative decoding needs a single-pool scheduler ({type(scheduler).__name__} is not one): "
-            "drop --enable-dp-attention or --speculative-algorithm"
-        )
 
 
 def _require_handoff_support(scheduler: Any) -> None:

@@ -28,6 +28,10 @@ not depend on the sampling backend. The argmax of step 3 is ``torch.argmax``'s, 
 CUDA float32 logits of at most ``triton_argmax.MAX_ROWS`` rows take it in one Triton launch
 (:func:`greedy_argmax`: the same indices, ties to the lowest; ``triton_argmax.ENABLED = False``
 turns it off); CPU logits, and machines without Triton, keep ``torch.argmax``.
+
+Speculative decoding: a row with ``draft_token_ids`` owns ``1 + k`` logits rows, sampled by
+the steps above as ``1 + k`` rows (:func:`expand_draft_rows`) and folded back into one token
+with its accepted continuation (:func:`verify_drafts`).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def speculation_summary(config: Any) -> dict[str, Any] | None:
     return summary
 
 
-def speculator_for(config: Any, source: Any, runner: Any, scheduler: Any = None) -> Speculator | None:
+def speculator_for(config: Any, source: Any, runner: Any, scheduler: Any) -> Speculator | None:
     """The speculator ``config`` asks for (None without ``--speculative-algorithm``).
 
     ``source`` and ``runner`` are the target's (a draft model must share its vocabulary and
@@ -181,6 +181,11 @@ def speculator_for(config: Any, source: Any, runner: Any, scheduler: Any = None)
     algorithm = speculative_algorithm_of(config)
     if algorithm is None:
         return None
+    if not hasattr(scheduler, "running"):
+        raise NotImplementedError(
+            f"speculative_algorithm={algorithm} needs a single-pool scheduler ({type(scheduler).__name__} is not one): "
+            "drop --enable-dp-attention or --speculative-algorithm"
+        )
     k = _num_drafts(config, algorithm)
     if algorithm == "NGRAM":
         proposer: Proposer = NgramProposer(
