@@ -2,12 +2,12 @@
 through one RPC seam.
 
 The driver resolves the config once; :class:`WorkerGroup` puts it in the object
-store once, reserves a STRICT_PACK placement group (one bundle per rank), starts
-one actor per rank in it, has every rank accept the config and load its shard,
-then drives steps: :meth:`WorkerGroup.execute` sends the same step to every rank
-and waits for all of them with ONE bounded ``ray.get``; rank 0's result is returned
-(:meth:`WorkerGroup.execute_leaders`: every DP-attention rank's leader's result, in DP
-order).
+store once, reserves a placement group (one bundle per rank; PACK by default, see
+:mod:`~flotilla.cluster.placement`), starts one actor per rank in it, has every rank
+accept the config and load its shard, then drives steps: :meth:`WorkerGroup.execute`
+sends the same step to every rank and waits for all of them with ONE bounded
+``ray.get``; rank 0's result is returned (:meth:`WorkerGroup.execute_leaders`: every
+DP-attention rank's leader's result, in DP order).
 
 Every wait is bounded. A dead rank, a rank that raised, or a wait that ran out of
 time becomes a :class:`WorkerGroupError` naming the rank and the reason; the group
@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from flotilla.cluster.compiled_steps import CompiledSteps, compiled_steps_off_reason
 from flotilla.cluster.elastic import ElasticJoinError
 from flotilla.cluster.models.sources import ModelSource
+from flotilla.cluster.placement import DEFAULT_PLACEMENT_STRATEGY, check_placement_strategy
 from flotilla.cluster.topology import Topology
 from flotilla.cluster.worker import DEFAULT_COLLECTIVE_TIMEOUT_S, StepBatch, WorkerActor, WorkerInfo
 from flotilla.resolution import ResolvedConfig
@@ -58,6 +59,13 @@ _NET_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "RAY_ENABLE_WINDOWS_OR_O
 # UCX settings of the process building the group, handed to its ranks (their KV endpoints
 # use NIXL over UCX; e.g. UCX_NET_DEVICES=lo keeps a one-box deployment on loopback).
 _UCX_ENV = ("UCX_NET_DEVICES", "UCX_TLS")
+# What an ungranted placement of each strategy needs (the end of WorkerGroupError's reason).
+_PLACEMENT_HINTS = {
+    "PACK": "cluster too small?",
+    "STRICT_PACK": "no node with room for every rank?",
+    "SPREAD": "cluster too small?",
+    "STRICT_SPREAD": "fewer nodes with room than ranks?",
+}
 
 
 @dataclass
@@ -112,11 +120,16 @@ class WorkerGroup:
         compiled_steps: send steps through a Ray compiled graph
             (:mod:`~flotilla.cluster.compiled_steps`); None: on for GPU groups, off for CPU
             groups, unless ``FLOTILLA_COMPILED_STEPS`` says otherwise.
+        placement_strategy: how the ranks' bundles lie over the nodes, one of
+            :data:`~flotilla.cluster.placement.PLACEMENT_STRATEGIES` (any case):
+            ``PACK`` (default: on one node when the group fits one, so tensor parallelism
+            stays inside a node, else over as few nodes as it fits), ``STRICT_PACK`` (one
+            node or no placement), ``SPREAD`` (over as many nodes as possible) or
+            ``STRICT_SPREAD`` (every rank on its own node). ValueError for another value.
 
-    The group packs onto ONE node (STRICT_PACK: tensor parallelism wants the node's links);
-    rank 0 hosts the rendezvous at its node's address, so the group need not share the
-    driver's node. Elastic EP joiners get their own placement group (PACK), which may land on
-    other nodes.
+    Rank 0 hosts the rendezvous at its node's address, so ranks on other nodes (and a group
+    away from the driver's node) meet it there; :meth:`rank_nodes` says where each rank runs.
+    Elastic EP joiners get their own placement group (PACK), which may land on other nodes.
     """
 
     def __init__(
@@ -127,7 +140,9 @@ class WorkerGroup:
         collective_timeout_s: float | None = None,
         bundle_resources: dict[str, float] | None = None,
         compiled_steps: bool | None = None,
+        placement_strategy: str = DEFAULT_PLACEMENT_STRATEGY,
     ):
+        self.placement_strategy = check_placement_strategy(placement_strategy)
         self.topology = Topology.from_config(config)
         self._compiled_requested = compiled_steps
         world_size = self.topology.world_size
@@ -146,13 +161,16 @@ class WorkerGroup:
         self.collective_timeout_s = collective_timeout_s or min(rpc_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
         # Placement groups of ranks that joined later (elastic EP), released at shutdown.
         self._join_placements: list[Any] = []
-        self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="STRICT_PACK")
+        strategy = self.placement_strategy
+        self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
         try:
             ray.get(self.placement.ready(), timeout=rpc_timeout_s)
         except GetTimeoutError:
             self.shutdown()
             raise WorkerGroupError(
-                None, f"no placement for {world_size} bundles of {bundle} within {rpc_timeout_s}s (cluster too small?)"
+                None,
+                f"no {strategy} placement for {world_size} bundles of {bundle} within {rpc_timeout_s}s "
+                f"({_PLACEMENT_HINTS[strategy]})",
             ) from None
         for rank in range(world_size):
             self.actors.append(self._start_actor(self.placement, rank, rank, world_size, self.digest))
@@ -172,6 +190,11 @@ class WorkerGroup:
         self.kv_layout = infos[0].kv_layout
         self.vocab_size = infos[0].vocab_size
         self._compile_steps()
+
+    def rank_nodes(self) -> list[str | None]:
+        """The Ray node id each rank runs on, in rank order (what each rank reported after
+        loading; joined elastic EP ranks included)."""
+        return [info.node_id for info in self.infos]
 
     def _start_actor(
         self, placement: Any, bundle: int, rank: int, world_size: int, digest: str, name: str | None = None

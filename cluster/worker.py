@@ -100,12 +100,14 @@ class WorkerInfo:
         digest: the digest of the config it runs.
         kv_layout: its KV pool (the scheduler is sized from rank 0's).
         vocab_size: the model's vocabulary size.
+        node_id: the Ray node it runs on (None outside Ray).
     """
 
     rank: int
     digest: str
     kv_layout: KVCacheLayout
     vocab_size: int
+    node_id: str | None = None
 
 
 class Worker:
@@ -254,7 +256,8 @@ class Worker:
         )
 
     def _info(self) -> WorkerInfo:
-        return WorkerInfo(self.rank, self.config.digest, self.runner.kv_layout, self.runner.vocab_size)
+        node = self.node_id() if ray.is_initialized() else None
+        return WorkerInfo(self.rank, self.config.digest, self.runner.kv_layout, self.runner.vocab_size, node)
 
     def _init_distributed(self, topology: Topology, rendezvous: tuple[str, int]) -> dict[str, Any]:
         """This rank's communicators in ``topology`` (rank 0 hosts the rendezvous at

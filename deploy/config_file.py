@@ -14,9 +14,11 @@ three ways::
   (:func:`flotilla.serve.app.parse_build_args`): server fields by their SGLang names
   (``model`` or ``model_path``, ``tp_size``, ... as ``--model``, ``--tp-size``), the
   serving options (``router``, ``num_replicas``, the PD and ``elastic_ep_autoscale*``
-  arguments) as the ``flotilla serve`` flags of the same names. ``placement`` and
-  ``max_body_bytes``, which have no flag, are carried as values
-  (:attr:`ServeConfigFile.placement`, :attr:`ServeConfigFile.max_body_bytes`).
+  arguments) as the ``flotilla serve`` flags of the same names. ``placement``,
+  ``placement_strategy`` (its mapping per pool has no flag; the ``--*placement-strategy``
+  flags of the command line override it) and ``max_body_bytes`` are carried as values
+  (:attr:`ServeConfigFile.placement`, :attr:`ServeConfigFile.placement_strategy`,
+  :attr:`ServeConfigFile.max_body_bytes`).
 - ``http_options.host`` / ``http_options.port``, when the file sets them, become
   ``--host`` / ``--port`` (unset: ``flotilla serve``'s own defaults, 127.0.0.1:30000).
 - Flags given on the command line come after the file's, so they win. A boolean the
@@ -39,7 +41,7 @@ CONFIG_FLAG = "--config"
 # The import path (Serve also accepts the dotted spelling) of flotilla's application builder.
 BUILD_IMPORT_PATHS = ("flotilla.serve.app:build", "flotilla.serve.app.build")
 # build() arguments with no `flotilla serve` flag: carried as values.
-CARRIED_ARGS = ("placement", "max_body_bytes")
+CARRIED_ARGS = ("placement", "placement_strategy", "max_body_bytes")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,15 @@ class ServeConfigFile:
         """The ``placement`` argument (empty when absent), checked by
         :func:`~flotilla.serve.types.check_placement` at load."""
         return {group: dict(resources) for group, resources in (self.args.get("placement") or {}).items()}
+
+    @property
+    def placement_strategy(self) -> str | dict[str, str] | None:
+        """The ``placement_strategy`` argument (None when absent): one strategy for every
+        pool, or a mapping of pools to strategies; its strategies and pools checked by
+        :func:`~flotilla.serve.types.pool_placement_strategies` at load, its pools against
+        the mode when the flags are parsed."""
+        value = self.args.get("placement_strategy")
+        return dict(value) if isinstance(value, Mapping) else value
 
     @property
     def max_body_bytes(self) -> int | None:
@@ -179,7 +190,7 @@ def _check_serve_schema(where: str, data: dict) -> None:
 
 def _check_arg(config: ServeConfigFile, key: str, value: Any) -> None:
     """Refuse ``key`` unless ``build()`` takes it with this value, with the file, key and value."""
-    from flotilla.serve.types import check_placement
+    from flotilla.serve.types import check_placement, pool_placement_strategies
 
     try:
         if key in ("host", "port"):
@@ -189,6 +200,8 @@ def _check_arg(config: ServeConfigFile, key: str, value: Any) -> None:
             )
         if key == "placement":
             check_placement(value)
+        elif key == "placement_strategy":
+            pool_placement_strategies(dict(value) if isinstance(value, Mapping) else value)
         elif key == "max_body_bytes":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError("max_body_bytes must be a positive integer (bytes)")

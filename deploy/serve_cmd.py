@@ -5,9 +5,11 @@
                    [--replica-num-cpus C] [--stream-batch-ms MS] [--address ADDR] [--non-blocking]
                    [--max-prompts-per-request N] [--request-body-timeout-s S] [--max-header-bytes B]
                    [--http-keep-alive-timeout-s S] [--http-request-timeout-s S]
+                   [--placement-strategy PACK|STRICT_PACK|SPREAD|STRICT_SPREAD]
                    [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
                     [--prefill-tp A] [--decode-tp B] [--kv-transport nixl|ray]
-                    [--kv-load-failure-policy recompute|fail]]
+                    [--kv-load-failure-policy recompute|fail]
+                    [--prefill-placement-strategy S] [--decode-placement-strategy S]]
                    [--elastic-ep-autoscale [--elastic-ep-autoscale-interval S] ...]
 
 ``--config FILE`` reads a Ray Serve config file (the one ``serve deploy`` takes, see
@@ -31,6 +33,10 @@ is resolved once, here, then:
   pool's configuration is resolved once, for its role (``--prefill-tp``/``--decode-tp``
   set its TP size; they may differ). ``--kv-load-failure-policy`` (vLLM's name) says what
   a failed KV load does: ``recompute`` (default) or ``fail``.
+- ``--placement-strategy`` says how every pool's worker groups lay their ranks over the
+  nodes (``PACK``, the default: one node when a group fits one; ``STRICT_PACK``, ``SPREAD``,
+  ``STRICT_SPREAD``; see :mod:`flotilla.cluster.placement`); in PD mode
+  ``--prefill-placement-strategy`` / ``--decode-placement-strategy`` set one pool's.
 - Elastic EP (``--elastic-ep-backend ray --max-ep-size M`` over the DP-attention layout
   ``--tp N --dp N --ep N --enable-dp-attention --enable-dp-lm-head``): one engine replica
   starts at N ranks and grows on ``POST /scale_elastic_ep``; every joining group is
@@ -67,6 +73,7 @@ from typing import Any, Sequence
 
 from flotilla.cluster.log_level import apply_log_level
 from flotilla.cluster.engine.configure import check_user_settings
+from flotilla.cluster.placement import PLACEMENT_STRATEGIES, check_placement_strategy
 from flotilla.deploy.config_file import config_argv, load_serve_config, split_config_flag
 from flotilla.resolution import ArgumentError, ResolutionError
 from flotilla.resolution.args import _Parser, add_server_flags, reject_unknown, server_flag_names
@@ -74,7 +81,7 @@ from flotilla.resolution.fields import FIELDS
 from flotilla.resolution.runtime_support import UnsupportedSettingsError, noop_notice
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.loopback import use_loopback_only
-from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions, ServeOptions
+from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions, ServeOptions, pool_placement_strategies
 
 # How long to wait for /health to answer 200 after the application reports running.
 READY_TIMEOUT_S = 120.0
@@ -152,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         "http_options.request_timeout_s; default none: a long generation is a legitimate request)",
     )
     own.add_argument(
+        "--placement-strategy",
+        metavar="|".join(PLACEMENT_STRATEGIES),
+        default=None,
+        help="how each pool's worker groups lay their ranks over the nodes (default PACK: one node when a group "
+        "fits one, tensor parallelism inside a node; SPREAD: over as many nodes as possible; STRICT_*: or no placement)",
+    )
+    own.add_argument(
         "--address",
         default=None,
         help="Ray cluster to join (default: RAY_ADDRESS; 'auto' finds one on this machine; none: start a local one)",
@@ -178,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="recompute",
         help="when a prompt's KV cannot be loaded: recompute it on the decode side (default) or fail the request",
     )
+    for pool in ("prefill", "decode"):
+        pd.add_argument(
+            f"--{pool}-placement-strategy",
+            metavar="S",
+            default=None,
+            help=f"--placement-strategy of the {pool} pool alone (default: --placement-strategy, else PACK)",
+        )
     auto = parser.add_argument_group("elastic EP autoscaling (with --elastic-ep-backend ray --max-ep-size)")
     auto.add_argument(
         "--elastic-ep-autoscale",
@@ -204,7 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-PD_ONLY_FLAGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp")
+PD_ONLY_FLAGS = (
+    "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp",
+    "prefill_placement_strategy", "decode_placement_strategy",
+)  # fmt: skip
+# The flags that name a placement strategy: the pools they set (None: every pool of the mode).
+STRATEGY_FLAGS = {
+    "placement_strategy": None, "prefill_placement_strategy": "prefill", "decode_placement_strategy": "decode",
+}  # fmt: skip
 
 
 def split_pd_mode(argv: Sequence[str]) -> tuple[list[str], bool]:
@@ -256,8 +284,29 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str,
             raise ArgumentError(f"{path} (its args as flags) with the command line: {exc}") from None
     opts.config, opts.config_file = path, config_file
     opts.placement = config_file.placement if config_file is not None else {}
+    opts.placement_strategies = placement_strategies(opts, config_file)
     opts.max_body_bytes = config_file.max_body_bytes if config_file is not None else None
     return opts, given
+
+
+def placement_strategies(opts: argparse.Namespace, config_file: Any = None) -> dict[str, str]:
+    """Each pool's placement strategy: the config file's ``placement_strategy`` first, then
+    ``--placement-strategy`` (every pool of the mode), then ``--prefill-placement-strategy`` /
+    ``--decode-placement-strategy``; PACK where none is given. The strategies were checked
+    with the flags; :class:`ArgumentError` naming the file when its pools are not the mode's."""
+    chosen: dict[str, str] = {}
+    if config_file is not None and config_file.placement_strategy is not None:
+        value = config_file.placement_strategy
+        try:
+            chosen = pool_placement_strategies(value, pd=opts.pd)
+        except ValueError as exc:
+            raise ArgumentError(f"{config_file.path}: args.placement_strategy={value!r}: {exc}") from None
+    for name, pool in STRATEGY_FLAGS.items():
+        strategy = getattr(opts, name)
+        if strategy is not None:
+            every = pool_placement_strategies(strategy, pd=opts.pd)
+            chosen.update(every if pool is None else {pool: every[pool]})
+    return pool_placement_strategies(chosen, pd=opts.pd)
 
 
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
@@ -284,8 +333,14 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
         value = getattr(opts, name)
         if value is not None and not pd:
             raise ArgumentError(f"--{name.replace('_', '-')} {value} needs --disaggregation-mode pd")
-        if value is not None and value < 1:
+        if isinstance(value, int) and value < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in STRATEGY_FLAGS:
+        if getattr(opts, name) is not None:
+            try:
+                setattr(opts, name, check_placement_strategy(getattr(opts, name), "--" + name.replace("_", "-")))
+            except ValueError as exc:
+                raise ArgumentError(str(exc)) from None
     if pd and opts.num_replicas is not None:
         raise ArgumentError("--num-replicas sizes the colocated pool; with --disaggregation-mode pd use --prefill-replicas and --decode-replicas")
     opts.elastic_autoscale = elastic_autoscale_options({name: getattr(opts, name) for name in AUTOSCALE_ARGS})
@@ -319,6 +374,7 @@ def plan_for(opts: argparse.Namespace, given: dict[str, Any], platform: Any = No
         elastic_autoscale=getattr(opts, "elastic_autoscale", None),
         max_body_bytes=getattr(opts, "max_body_bytes", None),
         placement=getattr(opts, "placement", None),
+        placement_strategy=getattr(opts, "placement_strategies", None),
         max_prompts_per_request=getattr(opts, "max_prompts_per_request", None),
         request_body_timeout_s=getattr(opts, "request_body_timeout_s", None),
         max_header_bytes=getattr(opts, "max_header_bytes", None),

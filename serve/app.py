@@ -10,7 +10,8 @@
   and Serve config files: arguments by their server field names (SGLang's), plus the
   :class:`ServeOptions` fields ``router``, ``num_replicas``, ``replica_num_cpus``,
   ``max_body_bytes``, ``max_prompts_per_request``, ``request_body_timeout_s``,
-  ``max_header_bytes``; it plans once, probing the platform on a worker node.
+  ``max_header_bytes``, ``placement``, ``placement_strategy``; it plans once, probing the
+  platform on a worker node.
 - :class:`ServeEngineClient` is the ingress's :class:`EngineClient` over the engine
   deployment's handle (and its :class:`ElasticEPClient`: the elastic EP admin calls).
 - Elastic EP (``--elastic-ep-backend ray --max-ep-size M``): the plan holds every joining
@@ -94,7 +95,7 @@ METRICS_TIMEOUT_S = 5.0
 # build() arguments that are serving options, not server fields.
 OPTION_ARGS = (
     "router", "num_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement",
-    "max_prompts_per_request", "request_body_timeout_s", "max_header_bytes",
+    "placement_strategy", "max_prompts_per_request", "request_body_timeout_s", "max_header_bytes",
 )  # fmt: skip
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
 PD_OPTION_ARGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "kv_transport", "kv_load_failure_policy")
@@ -459,6 +460,29 @@ def _placement_arg(value: Any) -> dict[str, dict[str, float]]:
     return {str(group): dict(resources) if isinstance(resources, Mapping) else resources for group, resources in value.items()}
 
 
+def _placement_strategy_arg(value: Any) -> str | dict[str, str] | None:
+    """The ``placement_strategy`` argument: one strategy for every pool, a mapping of pools to
+    strategies, or that mapping's JSON text (``serve run ... placement_strategy='{...}'``);
+    :func:`~flotilla.serve.types.pool_placement_strategies` checks it against the mode."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ArgumentError(
+                f"placement_strategy must be a strategy, a mapping (YAML) or JSON text: {exc} (got placement_strategy={value!r})"
+            ) from None
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, Mapping):
+        raise ArgumentError(
+            f"placement_strategy must be a strategy for every pool or a mapping of pools to strategies "
+            f"(got placement_strategy={value!r})"
+        )
+    return {str(pool): strategy for pool, strategy in value.items()}
+
+
 def build(args: dict[str, Any]) -> Application:
     """The application for ``serve run flotilla.serve.app:build KEY=VALUE ...`` and Serve
     config files (``import_path: flotilla.serve.app:build`` with ``args:``).
@@ -474,9 +498,12 @@ def build(args: dict[str, Any]) -> Application:
     ``elastic_ep_autoscale: true`` and its knobs (:data:`AUTOSCALE_ARGS`, as the
     ``flotilla serve`` flags of the same names); ``placement`` (a mapping of ``engine``,
     ``prefill``, ``decode``, ``joiners`` to the Ray resources their replicas and ranks need,
-    see ``ServeOptions.placement``). The configuration (an elastic
-    deployment's joiners included) is resolved once, here, for the platform of the
-    cluster's worker nodes (this connects to Ray first when ``serve run`` has not yet).
+    see ``ServeOptions.placement``); ``placement_strategy`` (``PACK``, ``STRICT_PACK``,
+    ``SPREAD`` or ``STRICT_SPREAD`` for every pool, or a mapping of ``engine`` or PD's
+    ``prefill`` and ``decode`` to one; default PACK, see ``ServeOptions.placement_strategy``).
+    The configuration (an elastic deployment's joiners included) is resolved once, here, for
+    the platform of the cluster's worker nodes (this connects to Ray first when ``serve run``
+    has not yet).
     NOTE: host and port are Serve's ``http_options`` (``serve run`` / the config file),
     not these arguments.
     """
@@ -507,6 +534,7 @@ def build(args: dict[str, Any]) -> Application:
         kv_load_failure_policy=str(option_args.get("kv_load_failure_policy", "recompute")),
         elastic_autoscale=elastic_autoscale_options(option_args),
         placement=_placement_arg(option_args.get("placement")),
+        placement_strategy=_placement_strategy_arg(option_args.get("placement_strategy")),
         max_prompts_per_request=opt("max_prompts_per_request", int),
         request_body_timeout_s=opt("request_body_timeout_s", float),
         max_header_bytes=opt("max_header_bytes", int),

@@ -127,14 +127,16 @@ class EngineReplica:
 
     def _runner_spec(self) -> RunnerSpec:
         """How this replica's runner is built: where its ranks run (``ranks_in_replica``), their
-        Ray resources (its placement group's and the elastic EP joiners'), and in a PD role a
-        KV endpoint on every rank (named after this replica, plus a tag per incarnation)."""
+        Ray resources (its placement group's and the elastic EP joiners'), its pool's placement
+        strategy, and in a PD role a KV endpoint on every rank (named after this replica, plus
+        a tag per incarnation)."""
         options, pool = self.options, self.pool
         kv_endpoint = None if pool == "colocated" else KVEndpointFactory(kind=options.kv_transport, name=self.replica_id)
         return RunnerSpec(
             ranks_in_actors=not ranks_in_replica(self.config, options, pool),
             rank_resources=options.resources_for(placement_group_of(pool)),
             joiner_resources=options.resources_for("joiners"),
+            placement_strategy=options.placement_strategy_for(placement_group_of(pool)),
             kv_endpoint=kv_endpoint,
         )
 
@@ -263,8 +265,9 @@ class EngineReplica:
     async def describe(self) -> dict[str, Any]:
         """What this replica is, for operators and tests: ``replica_id``, ``pool``, ``tp_size``,
         ``kv_peer_id`` (PD roles), ``rank_actors`` (the worker actors running its ranks,
-        rank order; empty when its one rank runs in this process) and ``node_id`` (the Ray node
-        of this replica; None outside Ray)."""
+        rank order; empty when its one rank runs in this process), ``rank_nodes`` (the Ray node
+        of each of those ranks, rank order), ``placement_strategy`` (its worker group's; None
+        without one) and ``node_id`` (the Ray node of this replica; None outside Ray)."""
         group = getattr(self.engine.engine.runner, "group", None)
         return {
             "replica_id": self.replica_id,
@@ -272,6 +275,8 @@ class EngineReplica:
             "tp_size": int(self.config.tp_size or 1),
             "kv_peer_id": self.kv_peer_id,
             "rank_actors": list(group.actors) if group is not None else [],
+            "rank_nodes": group.rank_nodes() if group is not None else [],
+            "placement_strategy": group.placement_strategy if group is not None else None,
             "node_id": _ray_node_id(),
         }
 

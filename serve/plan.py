@@ -23,7 +23,7 @@ from flotilla.cluster.platform import probe_for_workers
 from flotilla.resolution import PlatformFacts, ResolutionError, ResolvedConfig
 from flotilla.serve.types import ElasticEPPlan
 from flotilla.serve.router import router_class_path
-from flotilla.serve.types import ElasticAutoscaleOptions, ServeOptions
+from flotilla.serve.types import ElasticAutoscaleOptions, ServeOptions, pool_placement_strategies
 
 DEFAULT_SERVED_MODEL_NAME = "smollm2"
 
@@ -137,6 +137,7 @@ def serve_options(
     elastic_plan: Any = None,
     elastic_autoscale: ElasticAutoscaleOptions | None = None,
     placement: Mapping[str, Mapping[str, float]] | None = None,
+    placement_strategy: str | Mapping[str, str] | None = None,
     max_prompts_per_request: int | None = None,
     request_body_timeout_s: float | None = None,
     max_header_bytes: int | None = None,
@@ -153,7 +154,10 @@ def serve_options(
     ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback.
     Elastic EP: ``elastic_plan`` from :func:`elastic_plan_for`, ``elastic_autoscale``
     (default off); refused as :func:`check_elastic_options` says. ``placement``: the Ray
-    resources pinning each group of ranks to nodes (see ``ServeOptions.placement``)."""
+    resources pinning each group of ranks to nodes (see ``ServeOptions.placement``).
+    ``placement_strategy``: how each pool's worker groups lie over the nodes, one strategy for
+    every pool of the mode or a mapping per pool (PACK where unset; checked by
+    :func:`~flotilla.serve.types.pool_placement_strategies`)."""
     from flotilla.cluster.kv.endpoint import default_kv_transport
 
     defaults = ServeOptions()
@@ -180,6 +184,10 @@ def serve_options(
         elastic_plan=elastic_plan,
         elastic_autoscale=elastic_autoscale or ElasticAutoscaleOptions(),
         placement={group: dict(resources) for group, resources in (placement or {}).items()},
+        placement_strategy=pool_placement_strategies(
+            dict(placement_strategy) if isinstance(placement_strategy, Mapping) else placement_strategy,
+            pd=disaggregation_mode == "pd",
+        ),
         max_prompts_per_request=int(defaults.max_prompts_per_request if max_prompts_per_request is None else max_prompts_per_request),
         request_body_timeout_s=float(defaults.request_body_timeout_s if request_body_timeout_s is None else request_body_timeout_s),
         max_header_bytes=int(defaults.max_header_bytes if max_header_bytes is None else max_header_bytes),

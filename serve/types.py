@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Protocol
 
 from flotilla.cluster.engine.outputs import StepLogprobs
 from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.cluster.placement import DEFAULT_PLACEMENT_STRATEGY, check_placement_strategy
 from flotilla.resolution import ResolvedConfig
 from flotilla.serve.ep_autoscale import AutoscalePolicyConfig
 
@@ -365,6 +366,13 @@ class ServeOptions:
             actors and each of its rank bundles also requires, e.g. ``{"prefill":
             {"prefill_nodes": 0.001}}`` with ``ray start --resources '{"prefill_nodes": 1}'``
             on the prefill node group. Empty: anywhere the default resources fit.
+        placement_strategy: how each pool's worker groups lay their ranks over the nodes: per
+            pool (:data:`STRATEGY_POOLS`: ``engine``, ``prefill``, ``decode``), one of
+            :data:`~flotilla.cluster.placement.PLACEMENT_STRATEGIES`; a pool it leaves out
+            gets ``PACK`` (one node when the group fits one: tensor parallelism inside a
+            node). Set by :func:`pool_placement_strategies` from ``--placement-strategy``,
+            ``--prefill-placement-strategy``, ``--decode-placement-strategy`` or the
+            ``placement_strategy`` config key. Elastic EP joiners always PACK.
     """
 
     model: str | None = None
@@ -391,15 +399,27 @@ class ServeOptions:
     elastic_plan: ElasticEPPlan | None = None
     elastic_autoscale: ElasticAutoscaleOptions = field(default_factory=ElasticAutoscaleOptions)
     placement: dict[str, dict[str, float]] = field(default_factory=dict)
+    placement_strategy: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
+        if not isinstance(self.placement_strategy, dict):
+            raise ValueError(
+                f"placement_strategy must map pools of {STRATEGY_POOLS} to strategies "
+                f"(got placement_strategy={self.placement_strategy!r})"
+            )
+        pool_placement_strategies(self.placement_strategy)
         if not 0 <= self.stream_batch_ms <= MAX_STREAM_BATCH_MS:
             raise ValueError(f"stream_batch_ms must be in [0, {MAX_STREAM_BATCH_MS:g}] ms (got stream_batch_ms={self.stream_batch_ms!r})")
 
     def resources_for(self, group: str) -> dict[str, float]:
         """The extra Ray resources of ranks (and replica actors) of ``group`` (see ``placement``)."""
         return dict(self.placement.get(group, {}))
+
+    def placement_strategy_for(self, group: str) -> str:
+        """The placement strategy of the worker groups of ``group``, one of
+        :data:`STRATEGY_POOLS` (see ``placement_strategy``; PACK when it names none)."""
+        return check_placement_strategy(self.placement_strategy.get(group, DEFAULT_PLACEMENT_STRATEGY))
 
 
 # The longest ServeOptions.stream_batch_ms: a longer gap between a stream's chunks would read
@@ -408,6 +428,18 @@ MAX_STREAM_BATCH_MS = 1000.0
 
 # Groups of ranks ServeOptions.placement may pin to nodes.
 PLACEMENT_GROUPS = ("engine", "prefill", "decode", "joiners")
+
+
+# Pools ServeOptions.placement_strategy sets a strategy for (elastic EP joiners always PACK),
+# and those of each mode: one colocated pool, or PD's two.
+STRATEGY_POOLS = ("engine", "prefill", "decode")
+COLOCATED_POOLS = ("engine",)
+PD_POOLS = ("prefill", "decode")
+# Why a pool of the other mode has no strategy to take, by the mode asked for.
+_OTHER_MODE_POOL = {
+    "pd": "with disaggregation_mode pd the pools are prefill and decode (engine is the colocated pool)",
+    "colocated": "the prefill and decode pools exist only with disaggregation_mode pd (--disaggregation-mode pd)",
+}
 
 
 def placement_group_of(pool: str) -> str:
@@ -432,3 +464,37 @@ def check_placement(placement: Any) -> None:
                 )
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
                 raise ValueError(f"placement.{group}.{name} must be a positive number (got {amount!r})")
+
+
+def pool_placement_strategies(value: Any, pd: bool | None = None, name: str = "placement_strategy") -> dict[str, str]:
+    """Each pool's placement strategy from ``value`` (the ``placement_strategy`` config key,
+    named ``name`` in errors): None (every pool PACK), one strategy for every pool, or a
+    mapping of pools to strategies (a pool left out: PACK). The pools are the mode's:
+    ``engine`` without PD (``pd=False``), ``prefill`` and ``decode`` with it (``pd=True``);
+    ``pd=None``: any of :data:`STRATEGY_POOLS`, and only those given come back.
+
+    Returns ``{pool: strategy}`` with the strategies spelled as Ray does; ValueError naming
+    the key and value for an unknown strategy, an unknown pool or a pool of the other mode."""
+    pools = STRATEGY_POOLS if pd is None else (PD_POOLS if pd else COLOCATED_POOLS)
+    if value is None:
+        chosen: dict[str, Any] = {}
+    elif isinstance(value, str):
+        chosen = dict.fromkeys(pools, check_placement_strategy(value, name))
+    elif isinstance(value, dict):
+        chosen = dict(value)
+    else:
+        raise ValueError(
+            f"{name} must be a strategy for every pool or a mapping of pools {STRATEGY_POOLS} to strategies "
+            f"(got {name}={value!r})"
+        )
+    for pool in chosen:
+        if pool not in STRATEGY_POOLS:
+            raise ValueError(
+                f"{name}.{pool}: unknown pool {pool!r}; use one of {STRATEGY_POOLS} (elastic EP joiners always PACK)"
+            )
+        if pool not in pools:
+            why = _OTHER_MODE_POOL["pd" if pd else "colocated"]
+            raise ValueError(f"{name}.{pool}={chosen[pool]!r}: {why}")
+    if pd is not None:
+        chosen = {pool: chosen.get(pool, DEFAULT_PLACEMENT_STRATEGY) for pool in pools}
+    return {pool: check_placement_strategy(strategy, f"{name}.{pool}") for pool, strategy in chosen.items()}

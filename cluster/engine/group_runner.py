@@ -55,6 +55,7 @@ from flotilla.cluster.kv.port import check_kv_attachable
 from flotilla.cluster.engine.sampler import SampledToken, Sampler, SamplingRow, logits_rows
 from flotilla.cluster.engine.scheduler import SchedulerOutput
 from flotilla.cluster.models.sources import ModelSource
+from flotilla.cluster.placement import DEFAULT_PLACEMENT_STRATEGY
 from flotilla.resolution import ResolvedConfig
 
 
@@ -153,9 +154,11 @@ class GroupRunner:
         config: the resolved configuration (broadcast once to every rank).
         source: the model (every rank loads its own shard).
         rank_resources: Ray resources each rank's bundle needs besides its CPU or GPU (custom
-            resources that pin the group to a node group); the group still packs on one node.
+            resources that pin the group to a node group).
         joiner_resources: the same for ranks that join later (elastic EP), which may land on
             other nodes.
+        placement_strategy: how the ranks lie over the nodes (``WorkerGroup``'s
+            ``placement_strategy``: ``PACK`` by default, one node when the group fits one).
 
     The bounds come from the config, with SGLang's meanings: ``--watchdog-timeout`` bounds
     every wait for the ranks (startup and each step; default 300 s) and ``--dist-timeout``
@@ -169,6 +172,7 @@ class GroupRunner:
         source: ModelSource,
         rank_resources: dict[str, float] | None = None,
         joiner_resources: dict[str, float] | None = None,
+        placement_strategy: str = DEFAULT_PLACEMENT_STRATEGY,
     ):
         from flotilla.cluster.group import WorkerGroup
 
@@ -185,6 +189,7 @@ class GroupRunner:
             rpc_timeout_s=float(config.watchdog_timeout or DEFAULT_STEP_TIMEOUT_S),
             collective_timeout_s=float(config.dist_timeout) if config.dist_timeout else None,
             bundle_resources=rank_resources,
+            placement_strategy=placement_strategy,
         )
         # NOTE: every rank must hold every block the scheduler hands out (each DP rank's
         # scheduler is sized alike), so the pool is the smallest any rank allocated.

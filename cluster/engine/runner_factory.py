@@ -21,6 +21,7 @@ from flotilla.cluster.engine.dp_scheduler import can_grow_elastic_ep
 from flotilla.cluster.engine.model_runner import ModelRunner
 from flotilla.cluster.kv.endpoint import KVEndpointFactory
 from flotilla.cluster.models.sources import ModelSource
+from flotilla.cluster.placement import DEFAULT_PLACEMENT_STRATEGY, check_placement_strategy
 from flotilla.resolution import ResolvedConfig
 
 
@@ -40,6 +41,10 @@ class RunnerSpec:
             resources that pin the group to a node group); an in-process rank runs where its
             caller does.
         joiner_resources: the same for ranks that join later (elastic EP).
+        placement_strategy: how a worker group's ranks lie over the nodes, one of
+            :data:`~flotilla.cluster.placement.PLACEMENT_STRATEGIES` (default ``PACK``: one
+            node when the group fits one); checked here, so a bad value fails before any
+            runner is built. Elastic EP joiners always PACK.
         kv_endpoint: attach a KV endpoint built by this factory to every rank (a prefill or
             decode pool); each runner built gets it under the name
             ``f"{kv_endpoint.name}-{8 hex digits}"``, unique per incarnation. None: no endpoint.
@@ -48,7 +53,11 @@ class RunnerSpec:
     ranks_in_actors: bool = False
     rank_resources: Mapping[str, float] = field(default_factory=dict)
     joiner_resources: Mapping[str, float] = field(default_factory=dict)
+    placement_strategy: str = DEFAULT_PLACEMENT_STRATEGY
     kv_endpoint: KVEndpointFactory | None = None
+
+    def __post_init__(self) -> None:
+        check_placement_strategy(self.placement_strategy, "RunnerSpec.placement_strategy")
 
     @classmethod
     def from_placement(cls, placement: Mapping[str, Mapping[str, float]] | None) -> "RunnerSpec":
@@ -71,7 +80,11 @@ def build_runner(config: ResolvedConfig, source: ModelSource, spec: RunnerSpec |
         from flotilla.cluster.engine.group_runner import GroupRunner
 
         runner = GroupRunner(
-            config, source, rank_resources=dict(spec.rank_resources), joiner_resources=dict(spec.joiner_resources)
+            config,
+            source,
+            rank_resources=dict(spec.rank_resources),
+            joiner_resources=dict(spec.joiner_resources),
+            placement_strategy=spec.placement_strategy,
         )
     else:
         runner = ModelRunner(config, source)

@@ -1,7 +1,8 @@
 """WorkerGroup on a real local Ray cluster (loopback, CPU, gloo): the config broadcast,
 one- and two-rank groups matching the in-process ModelRunner's greedy tokens on a tiny
-random Llama, and a killed rank turning into a bounded WorkerGroupError (the ``ray_cluster``
-fixture lives in tests/cluster/conftest.py)."""
+random Llama, a TP=2 x EP=2 DeepSeek-V3 group whose ranks sit on the session's two simulated
+nodes matching one rank, the placement strategies, and a killed rank turning into a bounded
+WorkerGroupError (the ``ray_cluster`` fixture lives in tests/conftest.py)."""
 
 import time
 
@@ -16,11 +17,13 @@ from flotilla.cluster.engine.scheduler import Scheduler, SchedulerConfig
 from flotilla.cluster.group import WorkerGroup, WorkerGroupError
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.cluster.worker import ConfigMismatchError, StepBatch, WorkerActor
-from helpers.nodes import NODE_B, node_holding
+from helpers.nodes import NODE_A, NODE_B, node_holding
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from helpers.tiny_deepseek import save_tiny_deepseek_v3
 from helpers.tiny_models import save_tiny_llama
 
 PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5, 120]
+V3_PROMPT = [5, 9, 17, 33, 2, 71, 100, 44, 12, 90]  # the tiny DeepSeek-V3 has 128 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 NUM_TOKENS = 16
 
@@ -37,12 +40,12 @@ def resolved(source, **flags):
     return resolve(args, ModelFacts.from_hf_config(source.config_dict), preset("cpu"))
 
 
-def greedy_tokens(execute, kv_layout, n=NUM_TOKENS):
+def greedy_tokens(execute, kv_layout, n=NUM_TOKENS, prompt=PROMPT):
     """Drive one greedy request through prefill and decodes with a real scheduler."""
     scheduler = Scheduler(
         SchedulerConfig(num_blocks=kv_layout.num_blocks, block_size=kv_layout.block_size, max_num_seqs=4, max_num_batched_tokens=64)
     )
-    request = Request("r0", PROMPT, max_tokens=n)
+    request = Request("r0", prompt, max_tokens=n)
     scheduler.add(request)
     while not request.reached_max_tokens:
         step = scheduler.schedule()
@@ -79,6 +82,9 @@ def test_world_size_1_matches_in_process_runner(ray_cluster, source, single_rank
     group = WorkerGroup(resolved(source), source, rpc_timeout_s=30)
     try:
         assert group.infos[0].digest == resolved(source).digest
+        # The default strategy is PACK (one node when the group fits one).
+        assert group.placement_strategy == "PACK"
+        assert ray.util.placement_group_table(group.placement)["strategy"] == "PACK"
         assert greedy_tokens(group.execute, group.kv_layout) == single_rank_tokens
     finally:
         group.shutdown()
@@ -93,12 +99,57 @@ def test_world_size_2_matches_world_size_1(ray_cluster, source, single_rank_toke
     )
     try:
         assert (group.compiled_off is None) == compiled, group.compiled_off
-        assert group.call("node_id") == [node_holding(NODE_B)] * 2
+        assert group.call("node_id") == group.rank_nodes() == [node_holding(NODE_B)] * 2
         # Each rank holds one of the two KV heads: half the single-rank cache bytes per token.
         assert group.kv_layout.bytes_per_token * 2 == ModelRunner(resolved(source), source).kv_layout.bytes_per_token
         assert greedy_tokens(group.execute, group.kv_layout) == single_rank_tokens
     finally:
         group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_v3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-deepseek-v3")
+    save_tiny_deepseek_v3(path)
+    return resolve_model_source(str(path))
+
+
+def test_tp2_ep2_ranks_on_two_nodes_match_a_single_rank(ray_cluster, tiny_v3):
+    """STRICT_SPREAD puts the two ranks of a TP=2 x EP=2 DeepSeek-V3 group (MLA heads split
+    over TP, four of the eight routed experts per rank, tokens dispatched to their experts'
+    rank by all-to-all) on the session's two simulated nodes: rank 0 hosts the rendezvous at
+    its node's address and the other rank meets it from the other node. The greedy tokens are
+    the in-process single rank's."""
+    single = ModelRunner(resolved(tiny_v3), tiny_v3)
+    want = greedy_tokens(lambda s: single.execute(s.schedule, s.rows), single.kv_layout, prompt=V3_PROMPT)
+    config = resolved(tiny_v3, tp_size=2, ep_size=2, moe_a2a_backend="deepep")
+    group = WorkerGroup(config, tiny_v3, rpc_timeout_s=60, placement_strategy="strict_spread")
+    try:
+        assert group.placement_strategy == "STRICT_SPREAD"
+        assert ray.util.placement_group_table(group.placement)["strategy"] == "STRICT_SPREAD"
+        nodes = group.rank_nodes()
+        assert sorted(nodes) == sorted([node_holding(NODE_A), node_holding(NODE_B)]) and nodes[0] != nodes[1]
+        assert group.call("node_id") == nodes
+        assert greedy_tokens(group.execute, group.kv_layout, prompt=V3_PROMPT) == want
+    finally:
+        group.shutdown()
+
+
+def test_a_placement_the_cluster_cannot_grant_names_the_strategy(ray_cluster, source):
+    """Four ranks, each on its own node, on a cluster of two nodes: no placement, reported
+    within the bound with the strategy and what it needs."""
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError, match=r"no STRICT_SPREAD placement for 4 bundles .*fewer nodes with room than ranks"):
+        WorkerGroup(resolved(source, tp_size=4), source, rpc_timeout_s=3, placement_strategy="STRICT_SPREAD")
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.parametrize("strategy", ["TIGHT", "", None, 1])
+def test_a_bad_placement_strategy_names_the_parameter_and_value(source, strategy):
+    with pytest.raises(ValueError) as info:
+        WorkerGroup(resolved(source), source, placement_strategy=strategy)
+    message = str(info.value)
+    assert f"placement_strategy={strategy!r}" in message and "PACK, STRICT_PACK, SPREAD, STRICT_SPREAD" in message, message
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["actor-calls", "compiled-steps"])

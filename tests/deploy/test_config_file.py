@@ -2,8 +2,9 @@
 
 The file's args take the mapping ``build()`` takes (so ``serve deploy`` and ``flotilla
 serve --config`` agree on the same file), command-line flags win, values without a flag
-(``placement``, ``max_body_bytes``) reach the ServeOptions, and every refusal names the
-file, the key and the value (exit status 2, nothing started). No Ray cluster here."""
+(``placement``, ``placement_strategy``, ``max_body_bytes``) reach the ServeOptions, and every
+refusal names the file, the key and the value (exit status 2, nothing started). No Ray
+cluster here."""
 
 import json
 import textwrap
@@ -117,6 +118,25 @@ def test_pd_and_autoscale_args_reach_their_options(tmp_path, model_dir):
     assert opts.elastic_autoscale.kv_usage_threshold is None
 
 
+def test_the_placement_strategy_key_reaches_the_options_and_the_flags_win(tmp_path, model_dir):
+    every = write_config(tmp_path / "every.yaml", {"model": str(model_dir), "placement_strategy": "spread"})
+    opts, given = parse_serve_args(["--config", str(every)])
+    assert plan_for(opts, given, PRESETS["cpu"]).options.placement_strategy == {"engine": "SPREAD"}
+    opts, given = parse_serve_args(["--config", str(every), "--placement-strategy", "STRICT_PACK"])
+    assert plan_for(opts, given, PRESETS["cpu"]).options.placement_strategy == {"engine": "STRICT_PACK"}
+
+    pd = write_config(
+        tmp_path / "pd.yaml",
+        {"model": str(model_dir), "disaggregation_mode": "pd", "placement_strategy": {"prefill": "STRICT_SPREAD"}},
+    )
+    opts, given = parse_serve_args(["--config", str(pd)])
+    assert plan_for(opts, given, PRESETS["cpu"]).options.placement_strategy == {"prefill": "STRICT_SPREAD", "decode": "PACK"}
+    opts, given = parse_serve_args(["--config", str(pd), "--decode-placement-strategy", "SPREAD"])
+    assert opts.placement_strategies == {"prefill": "STRICT_SPREAD", "decode": "SPREAD"}
+    opts, given = parse_serve_args(["--config", str(pd), "--placement-strategy", "PACK"])
+    assert opts.placement_strategies == {"prefill": "PACK", "decode": "PACK"}
+
+
 def test_every_build_option_has_a_flag_or_is_carried():
     """A serving option build() takes that ``flotilla serve`` has no flag for would be lost."""
     from flotilla.serve.app import OPTION_ARGS, PD_OPTION_ARGS
@@ -178,6 +198,11 @@ def test_a_missing_file_is_refused(tmp_path):
         ({"disaggregation_mode": "prefill"}, ["args.disaggregation_mode='prefill'", "use pd"]),
         ({"placement": {"prefil": {"x": 1}}}, ["args.placement=", "unknown group 'prefil'"]),
         ({"placement": {"decode": {"x": 0}}}, ["placement.decode.x must be a positive number"]),
+        ({"placement_strategy": "tight"}, ["args.placement_strategy='tight'", "PACK, STRICT_PACK, SPREAD, STRICT_SPREAD"]),
+        ({"placement_strategy": {"prefil": "PACK"}}, ["args.placement_strategy=", "unknown pool 'prefil'"]),
+        ({"placement_strategy": {"decode": "loose"}}, ["args.placement_strategy=", "placement_strategy.decode='loose'"]),
+        ({"placement_strategy": {"prefill": "SPREAD"}}, ["args.placement_strategy=", "only with disaggregation_mode pd"]),
+        ({"placement_strategy": 2}, ["args.placement_strategy=2", "a mapping of pools"]),
         ({"max_body_bytes": -1}, ["args.max_body_bytes=-1", "positive integer"]),
         ({"elastic_ep_autoscale_kv_usage": "lots"}, ["args.elastic_ep_autoscale_kv_usage='lots'", "a number or off"]),
     ],

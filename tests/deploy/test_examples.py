@@ -137,7 +137,8 @@ def test_llama_8b_resolves_for_one_h200(tmp_path):
 def test_llama_70b_resolves_for_tp8_on_one_h200_node(tmp_path):
     _, config, _, options = resolve_example("llama-70b-tp8.yaml", tmp_path)
     assert (config.device, config.tp_size, options.num_replicas) == ("cuda", 8, 1)
-    assert config.tp_size <= PRESETS["h200"].device_count  # NOTE: a TP group packs onto one node
+    assert config.tp_size <= PRESETS["h200"].device_count  # NOTE: the TP group fits one node ...
+    assert options.placement_strategy == {"engine": "STRICT_PACK"}  # ... and waits for one
 
 
 def test_pd_example_resolves_each_pool_and_pins_it_to_its_node_group(tmp_path):

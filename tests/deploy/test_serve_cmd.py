@@ -1,6 +1,6 @@
-"""``flotilla serve``'s flags for prefill/decode disaggregation: parsing, the refusals (exit
-status 2, a message naming the flag and value, nothing started), and the two configs PD
-resolves (one per role). No Ray here: every case is decided before Ray is touched."""
+"""``flotilla serve``'s flags for prefill/decode disaggregation and each pool's placement
+strategy: parsing, the refusals (exit status 2, a message naming the flag and value, nothing
+started), and the two configs PD resolves (one per role). No Ray here: every case is decided before Ray is touched."""
 
 import pytest
 
@@ -52,6 +52,40 @@ def test_stream_batch_ms_reaches_the_options_and_bad_values_are_refused(tmp_path
             parse_serve_args(["--stream-batch-ms", value])
     with pytest.raises(ValueError, match=r"stream_batch_ms must be in \[0, 1000\] ms \(got stream_batch_ms=-5.0\)"):
         ServeOptions(stream_batch_ms=-5.0)
+
+
+def test_placement_strategy_flags_reach_each_pool_s_options():
+    opts, given = parse_serve_args(["--max-total-tokens", "2048"])
+    assert plan_for(opts, given).options.placement_strategy == {"engine": "PACK"}  # NOTE: the default
+    opts, given = parse_serve_args(["--placement-strategy", "spread", "--max-total-tokens", "2048"])
+    assert plan_for(opts, given).options.placement_strategy == {"engine": "SPREAD"}
+    opts, given = parse_serve_args(["--disaggregation-mode", "pd", "--max-total-tokens", "2048"])
+    assert plan_for(opts, given).options.placement_strategy == {"prefill": "PACK", "decode": "PACK"}
+    opts, given = parse_serve_args(
+        ["--disaggregation-mode", "pd", "--placement-strategy", "STRICT_PACK", "--decode-placement-strategy", "strict_spread",
+         "--max-total-tokens", "2048"]
+    )  # fmt: skip
+    options = plan_for(opts, given).options
+    assert options.placement_strategy == {"prefill": "STRICT_PACK", "decode": "STRICT_SPREAD"}
+    assert (options.placement_strategy_for("prefill"), options.placement_strategy_for("decode")) == ("STRICT_PACK", "STRICT_SPREAD")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--placement-strategy", "tight"], ["--placement-strategy='tight'", "PACK, STRICT_PACK, SPREAD, STRICT_SPREAD"]),
+        (["--placement-strategy", ""], ["--placement-strategy=''", "must be one of"]),
+        (["--prefill-placement-strategy", "SPREAD"], ["--prefill-placement-strategy SPREAD", "--disaggregation-mode pd"]),
+        (["--decode-placement-strategy", "PACK"], ["--decode-placement-strategy PACK", "--disaggregation-mode pd"]),
+        (["--disaggregation-mode", "pd", "--decode-placement-strategy", "x"], ["--decode-placement-strategy='x'", "must be one of"]),
+    ],
+)
+def test_bad_placement_strategy_flags_are_refused(argv, words, capsys):
+    with pytest.raises(ArgumentError) as err:
+        parse_serve_args(argv)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert run_serve(argv) == 2
+    assert words[0] in capsys.readouterr().err
 
 
 def test_run_serve_exits_2_on_a_bad_pd_flag(capsys):

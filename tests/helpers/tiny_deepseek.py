@@ -67,3 +67,22 @@ def save_tiny_deepseek_v2(path: Path, q_lora_rank: int | None = None, seed: int 
                 param.copy_(noise / math.sqrt(param.shape[-1]))
     model.save_pretrained(path)
     return model
+
+
+def save_tiny_deepseek_v3(path: Path, seed: int = 0):
+    """Save a seeded tiny random DeepSeek-V3 (:data:`TINY_DEEPSEEK_V3_MTP` without its MTP
+    layer: query LoRA, grouped routing over 8 experts with a drawn correction bias, one dense
+    layer first) to ``path``; returns the HF model. Weights as ``tiny_fp8.randomize`` draws
+    them (routers x4), so greedy choices lead by far more than a sharded model's noise."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from helpers.tiny_fp8 import randomize
+    from helpers.tiny_glm import randomize_correction_bias
+
+    settings = {k: v for k, v in TINY_DEEPSEEK_V3_MTP.items() if k != "num_nextn_predict_layers"}
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**settings)).eval()
+    randomize(model, seed)
+    randomize_correction_bias(model, seed)
+    model.save_pretrained(path)
+    return model
