@@ -81,7 +81,13 @@ from flotilla.resolution.fields import FIELDS
 from flotilla.resolution.runtime_support import UnsupportedSettingsError, noop_notice
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.loopback import use_loopback_only
-from flotilla.serve.types import MAX_STREAM_BATCH_MS, ElasticAutoscaleOptions, ServeOptions, pool_placement_strategies
+from flotilla.serve.types import (
+    MAX_STREAM_BATCH_MS,
+    ROUTER_CLASSES,
+    ElasticAutoscaleOptions,
+    ServeOptions,
+    pool_placement_strategies,
+)
 
 # How long to wait for /health to answer 200 after the application reports running.
 READY_TIMEOUT_S = 120.0
@@ -106,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     own.add_argument(
         "--router",
-        choices=("least-loaded", "prefix-affinity"),
-        default="least-loaded",
-        help="how requests pick an engine replica (default least-loaded)",
+        choices=tuple(ROUTER_CLASSES),
+        default="cache-aware",
+        help="how requests pick an engine replica (default cache-aware: where most of the prompt's "
+        "KV blocks were sent before, unless that replica is overloaded)",
     )
     own.add_argument(
         "--num-replicas", type=int, default=None, help="engine replicas (default: the resolved dp_size, else 1)"

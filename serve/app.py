@@ -55,7 +55,7 @@ from flotilla.serve.metrics import collect_metrics_text
 from flotilla.serve.pd import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, PDEngineClient
 from flotilla.serve.plan import ServePlan, check_elastic_options, check_pd_options, plan_serving, ranks_in_replica
 from flotilla.serve.request_log import configure_request_log
-from flotilla.serve.router import router_class_path
+from flotilla.serve.router import router_class_path, router_kwargs
 from flotilla.serve.types import (
     EngineUnavailableError,
     GenerateChunk,
@@ -229,11 +229,11 @@ def engine_deployment_options(
 
     ``pool``: ``"colocated"`` (the ``engine`` deployment, ``options.num_replicas``
     replicas, ``options.router``), ``"prefill"`` (``options.prefill_replicas``, always
-    prefix-affinity: the replica holding a prompt's prefix computes it fastest) or
+    cache-aware: the replica holding a prompt's prefix computes it fastest) or
     ``"decode"`` (``options.decode_replicas``, ``options.router``)."""
     name, replicas, router = {
         "colocated": (ENGINE_DEPLOYMENT, options.num_replicas, options.router),
-        "prefill": (PREFILL_DEPLOYMENT, options.prefill_replicas, "prefix-affinity"),
+        "prefill": (PREFILL_DEPLOYMENT, options.prefill_replicas, "cache-aware"),
         "decode": (DECODE_DEPLOYMENT, options.decode_replicas, options.router),
     }[pool]
     on_gpu = (config.device or "cpu") == "cuda"
@@ -265,6 +265,7 @@ def engine_deployment_options(
         ray_actor_options=actor,
         request_router_config=RequestRouterConfig(
             request_router_class=router_class_path(router),
+            request_router_kwargs=router_kwargs(router, config),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
         ),
@@ -523,7 +524,7 @@ def build(args: dict[str, Any]) -> Application:
         pd=pd,
         prefill_tp=opt("prefill_tp", int),
         decode_tp=opt("decode_tp", int),
-        router=str(option_args.get("router", "least-loaded")),
+        router=str(option_args.get("router", "cache-aware")),
         num_replicas=opt("num_replicas", int),
         replica_num_cpus=opt("replica_num_cpus", float),
         stream_batch_ms=opt("stream_batch_ms", float),

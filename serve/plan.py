@@ -124,7 +124,7 @@ def serve_options(
     *,
     model: str | None,
     served_model_name_given: str | None = None,
-    router: str = "least-loaded",
+    router: str = "cache-aware",
     num_replicas: int | None = None,
     replica_num_cpus: float | None = None,
     max_body_bytes: int | None = None,

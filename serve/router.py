@@ -1,4 +1,5 @@
-"""Request routing for the engine pool: least-loaded (default) and prefix-affinity.
+"""Request routing for the engine pools: cache-aware (default), least-loaded, prefix-affinity
+(the prompt's first block only) and round-robin.
 
 Serve asks a deployment's request router, per request, for a ranking of replicas
 (``RequestRouter.choose_replicas`` returns a list of replica lists, best first); it then
@@ -24,8 +25,16 @@ of a prefill replica's KV blocks, which only that replica holds) goes to the pin
 replica alone while it is a candidate; when it is not (it died), the call is ranked as
 usual and the receiving replica sees that the pin is not its own.
 
+The cache-aware policy (:func:`rank_cache_aware`, SGLang gateway's ``cache_aware`` and Ray
+Serve LLM's prefix-aware router do the same) also reads a :class:`~flotilla.serve.prefix_tree.
+PrefixTree` of the prompts the router sent to each replica: a prompt goes where most of its
+leading KV blocks were sent before, so requests behind a shared system prompt follow it even
+when their first block is the same as other prompts'; a prompt no replica holds enough of goes
+to the replica holding the least, so distinct prefixes spread over the replicas; load
+overrides both (:func:`is_overloaded`).
+
 The policy itself is plain functions over :class:`Candidate` values, unit-tested without
-Ray; the two ``RequestRouter`` subclasses only translate Serve's objects into candidates.
+Ray; the ``RequestRouter`` subclasses only translate Serve's objects into candidates.
 Deployments name a router by import path (``ROUTER_CLASSES``).
 """
 
@@ -38,7 +47,10 @@ from typing import Any, Hashable, Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from flotilla.serve.types import GenerateRequest, ReplicaLoad, ReplicaPin
+from flotilla.serve.prefix_tree import DEFAULT_CAPACITY_BLOCKS, PrefixTree
+from flotilla.cluster.engine.limits import DEFAULT_BLOCK_SIZE as DEFAULT_PREFIX_BLOCK
+from flotilla.cluster.engine.limits import block_size_for
+from flotilla.serve.types import ROUTER_CLASSES, GenerateRequest, ReplicaLoad, ReplicaPin
 
 # How far the replica holding a prompt's prefix may be busier than the least-loaded
 # replica before prefix affinity gives way to load: it may hold up to
@@ -49,14 +61,15 @@ OVERLOAD_SLACK = 4
 OVERLOAD_FACTOR = 2.0
 # Prefix keys the prefix-affinity router remembers (where it sent each), newest kept.
 PREFIX_MEMORY_SIZE = 8192
+# A prompt counts as held by a replica when the replica was sent at least this share of the
+# prompt's full KV blocks before (SGLang gateway's cache_threshold default). Below it the
+# cache-aware router sends the prompt to the replica holding the fewest blocks, so distinct
+# prefixes behind one shared preamble spread over the replicas instead of piling up.
+CACHE_MATCH_THRESHOLD = 0.5
 # An assignment Serve never confirmed (the request was cancelled before it was sent)
 # stops counting as load after this long.
 UNCONFIRMED_TTL_S = 5.0
 
-ROUTER_CLASSES = {
-    "least-loaded": "flotilla.serve.router.LeastLoadedRouter",
-    "prefix-affinity": "flotilla.serve.router.PrefixAffinityRouter",
-}
 
 
 def router_class_path(name: str) -> str:
@@ -65,6 +78,19 @@ def router_class_path(name: str) -> str:
         return ROUTER_CLASSES[name]
     except KeyError:
         raise ValueError(f"router={name!r} is not a router; choose from {', '.join(ROUTER_CLASSES)}") from None
+
+
+def router_kwargs(name: str, config: Any) -> dict[str, Any]:
+    """The ``request_router_kwargs`` of router ``name`` for a pool resolved as ``config``: the
+    cache-aware router's tree cuts prompts into the engines' KV blocks and, when
+    ``--max-total-tokens`` bounds the KV pool, remembers at most that many blocks per replica."""
+    if name != "cache-aware":
+        return {}
+    block = block_size_for(config)
+    kwargs: dict[str, Any] = {"block_size": block}
+    if getattr(config, "max_total_tokens", None):
+        kwargs["capacity_blocks"] = max(1, int(config.max_total_tokens) // block)
+    return kwargs
 
 
 # -- the policy (pure) -------------------------------------------------------------
@@ -158,6 +184,37 @@ def rank_prefix_affine(
     if is_overloaded(best, least, slack, factor):
         return order
     return [best.replica_id] + [r for r in order if r != best.replica_id]
+
+
+def rank_cache_aware(
+    candidates: Sequence[Candidate],
+    matched: Mapping[Hashable, int],
+    total_blocks: int,
+    tree_sizes: Mapping[Hashable, int],
+    threshold: float = CACHE_MATCH_THRESHOLD,
+    slack: int = OVERLOAD_SLACK,
+    factor: float = OVERLOAD_FACTOR,
+) -> list[Hashable]:
+    """Replica ids, best first, for a prompt of ``total_blocks`` full KV blocks of which each
+    replica holds its leading ``matched[replica_id]`` (see :meth:`PrefixTree.match`).
+
+    When the best match covers at least ``threshold`` of the blocks, the replica with the
+    longest match goes first (ties: least loaded); otherwise the replica holding the fewest
+    blocks (``tree_sizes``; ties: least loaded). Either choice gives way to least-loaded order
+    when it :func:`is_overloaded` against the least-loaded replica; the rest follow in
+    least-loaded order. A prompt without a full block: least-loaded order.
+    """
+    order = rank_least_loaded(candidates)
+    if total_blocks < 1 or not candidates:
+        return order
+    best = max(matched.get(c.replica_id, 0) for c in candidates)
+    if best / total_blocks >= threshold:
+        choice = min((c for c in candidates if matched.get(c.replica_id, 0) == best), key=_load_key)
+    else:
+        choice = min(candidates, key=lambda c: (tree_sizes.get(c.replica_id, 0), *_load_key(c)))
+    if is_overloaded(choice, min(c.effective_load for c in candidates), slack, factor):
+        return order
+    return [choice.replica_id] + [r for r in order if r != choice.replica_id]
 
 
 class PrefixMemory:
@@ -360,3 +417,70 @@ class PrefixAffinityRouter(LeastLoadedRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.memory.forget(replica_id)
+
+
+class CacheAwareRouter(LeastLoadedRouter):
+    """Send a prompt to the replica that was sent most of its leading KV blocks, or, when no
+    replica holds enough of it, to the replica holding the fewest; load overrides both (see
+    :func:`rank_cache_aware`). The default router of every engine pool.
+
+    ``request_router_kwargs``: ``block_size`` (the engines' KV page size; default
+    ``DEFAULT_PREFIX_BLOCK``), ``capacity_blocks`` (blocks remembered per replica, least
+    recently routed dropped first; ``DEFAULT_CAPACITY_BLOCKS``), ``threshold``
+    (``CACHE_MATCH_THRESHOLD``), ``slack`` (``OVERLOAD_SLACK``), ``factor``
+    (``OVERLOAD_FACTOR``).
+    """
+
+    def initialize_state(
+        self,
+        block_size: int = DEFAULT_PREFIX_BLOCK,
+        capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+        threshold: float = CACHE_MATCH_THRESHOLD,
+        slack: int = OVERLOAD_SLACK,
+        factor: float = OVERLOAD_FACTOR,
+        **kwargs: Any,
+    ) -> None:
+        super().initialize_state(**kwargs)
+        if not 0.0 < float(threshold) <= 1.0:
+            raise ValueError(f"{type(self).__name__}: threshold={threshold!r} must be in (0, 1]")
+        self.tree = PrefixTree(int(block_size), int(capacity_blocks))
+        self.threshold = float(threshold)
+        self.slack = int(slack)
+        self.factor = float(factor)
+
+    def _rank(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
+        if request is None:
+            return rank_least_loaded(candidates)
+        blocks = self.tree.blocks(request.prompt_token_ids)
+        sizes = {c.replica_id: self.tree.size(c.replica_id) for c in candidates}
+        matched = self.tree.match(blocks)
+        return rank_cache_aware(candidates, matched, len(blocks), sizes, self.threshold, self.slack, self.factor)
+
+    def _assigned(self, pending: PendingRequest, replica_id: Hashable, confirmed: bool) -> None:
+        super()._assigned(pending, replica_id, confirmed)
+        request = generate_request_of(pending)
+        if request is not None:
+            # NOTE: recorded at ranking too (not only once Serve confirms): a burst is ranked
+            # before its first request is sent, and its later requests must see the earlier.
+            self.tree.insert(self.tree.blocks(request.prompt_token_ids), replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.tree.forget(replica_id)
+
+
+class RoundRobinRouter(LeastLoadedRouter):
+    """Send each request to the next replica in turn (replicas ordered by id), whatever their
+    load or cache; the baseline the other policies are measured against."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**kwargs)
+        self.turn = 0
+
+    def _rank(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
+        ids = sorted((c.replica_id for c in candidates), key=str)
+        if not ids:
+            return ids
+        first = self.turn % len(ids)
+        self.turn += 1
+        return ids[first:] + ids[:first]

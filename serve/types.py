@@ -17,6 +17,14 @@ from flotilla.cluster.placement import DEFAULT_PLACEMENT_STRATEGY, check_placeme
 from flotilla.resolution import ResolvedConfig
 from flotilla.serve.ep_autoscale import AutoscalePolicyConfig
 
+# The engine pools' routers by ``--router`` name: the import path Serve loads
+# (:mod:`flotilla.serve.router`; here so that the CLI lists them without importing Ray Serve).
+ROUTER_CLASSES = {
+    "cache-aware": "flotilla.serve.router.CacheAwareRouter",
+    "least-loaded": "flotilla.serve.router.LeastLoadedRouter",
+    "prefix-affinity": "flotilla.serve.router.PrefixAffinityRouter",
+    "round-robin": "flotilla.serve.router.RoundRobinRouter",
+}
 
 
 @dataclass
@@ -321,7 +329,9 @@ class ServeOptions:
         served_model_name: the name ``/v1/models`` reports and requests must use (default:
             ``--served-model-name``, else the model path's name).
         num_replicas: engine replicas (default: the resolved ``dp_size`` without DP attention).
-        router: ``"least-loaded"`` (default) or ``"prefix-affinity"``.
+        router: the engine pools' router (``--router``): ``"cache-aware"`` (default),
+            ``"least-loaded"``, ``"prefix-affinity"`` or ``"round-robin"``
+            (:data:`~flotilla.serve.router.ROUTER_CLASSES`); the prefill pool is always cache-aware.
         max_queued_requests: per-replica queue bound beyond which requests get 429.
         stream_batch_ms: a streamed request's chunks go out at most this often (its tokens
             gather in between; the first and the last go out at once): each chunk crosses Ray
@@ -378,7 +388,7 @@ class ServeOptions:
     model: str | None = None
     served_model_name: str = "smollm2"
     num_replicas: int = 1
-    router: str = "least-loaded"
+    router: str = "cache-aware"
     max_queued_requests: int = 256
     stream_batch_ms: float = 50.0
     max_body_bytes: int = 1 << 20

@@ -1,4 +1,4 @@
-"""The Serve application, live: ingress + prefix-affinity router + 2 SmolLM2 engine
+"""The Serve application, live: ingress + the cache-aware router (the default) + 2 SmolLM2 engine
 replicas on the session's Serve, driven over real HTTP on loopback by the official
 ``openai`` client and httpx.
 
@@ -40,7 +40,7 @@ def app(serve_http):
 
     # NOTE: one local node: probing here equals probing a worker, and skips a Ray task.
     config, model = resolve_pool({"max_running_requests": 2, "max_queued_requests": 2}, probe())
-    options = serve_options(config, model=model, router="prefix-affinity", num_replicas=2, replica_num_cpus=0.5)
+    options = serve_options(config, model=model, num_replicas=2, replica_num_cpus=0.5)
     serve.run(build_app(config, options), name=APP, route_prefix="/")
     wait_until_healthy(serve_http, 60)
     yield SimpleNamespace(url=serve_http, config=config, options=options)
@@ -50,15 +50,6 @@ def app(serve_http):
 @pytest.fixture
 def client(app):
     return openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def replica_stats(app_name: str) -> dict[str, dict]:
-    """Each engine replica's routing stats (what the router sees), by replica actor name."""
-    import ray
-
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"{app_name}#engine#" in a["name"]]
-    actors = {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in names}
-    return {name: ray.get(actor.record_routing_stats.remote(), timeout=30) for name, actor in actors.items()}
 
 
 # -- the live application ----------------------------------------------------------------
@@ -136,38 +127,30 @@ def test_metrics_families_are_served_and_move(app, client):
     assert wait_for(moved)
 
 
-async def _complete(client: openai.AsyncOpenAI, prompt: list[int]) -> None:
-    await client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0)
+def test_the_cache_aware_router_spreads_system_prompts_and_follows_each(app, client):
+    """Two system prompts behind one shared preamble block (their first-block hash is the
+    same), sent one at a time so that the router sees every earlier placement. System
+    prompt A's first request goes to some replica; B's (1 of its 41 blocks held there, under
+    half) goes to the other replica, which holds fewer blocks: it finds nothing cached. Then
+    A, A, B, B: each lands where its system prompt was computed and finds all 41 blocks cached.
+    Least-loaded (ties keep one order) sends B to A's replica (16 cached tokens); round-robin
+    sends the second A to B's replica; a first-block hash sends everything to one replica.
 
-
-def test_prefix_affinity_keeps_each_prefix_on_one_replica(app):
-    """Two prompt families (different first blocks), two requests each, sent concurrently
-    in two rounds: least-loaded alone would split each family over both replicas (the
-    second request of a family joins the emptier replica); prefix affinity keeps each
-    family's requests on one replica. Checked through the replicas' own routing stats (the
-    prefix keys each has served). Two per family per replica, since an engine that runs 2
-    and queues 2 refuses a third request arriving in the same instant."""
-    from flotilla.serve.prompts import prefix_key
-
+    NOTE: the margin over the module's earlier requests: they put a few blocks in either
+    replica's share of the router's tree, far fewer than the 41 of A's prompt."""
     block = block_size_for(app.config)
-    family_a = [1000 + i for i in range(block + 4)]
-    family_b = [2000 + i for i in range(block + 4)]
-    key_a, key_b = prefix_key(family_a, block), prefix_key(family_b, block)
-    assert key_a is not None and key_b is not None and key_a != key_b
+    preamble = [3000 + i for i in range(block)]
+    system_a = [4000 + i for i in range(40 * block)]
+    system_b = [9000 + i for i in range(40 * block)]
 
-    async def burst():
-        async with openai.AsyncOpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=60) as aclient:
-            for round_ in range(2):
-                prompts = [family + [round_, i] for family in (family_a, family_b) for i in range(2)]
-                await asyncio.gather(*[_complete(aclient, p) for p in prompts])
+    def cached(system, user):
+        reply = client.completions.create(model="smollm2", prompt=preamble + system + [user, user + 1], max_tokens=1, temperature=0)
+        return reply.usage.prompt_tokens_details.cached_tokens
 
-    asyncio.run(burst())
-    stats = replica_stats(APP)
-    assert len(stats) == 2
-    holders_a = [name for name, s in stats.items() if key_a in s["prefix_keys"]]
-    holders_b = [name for name, s in stats.items() if key_b in s["prefix_keys"]]
-    assert len(holders_a) == 1 and len(holders_b) == 1, stats
-
+    assert cached(system_a, 100) == 0
+    assert cached(system_b, 100) == 0  # spread: not the replica holding the preamble
+    whole = 41 * block
+    assert [cached(system_a, 200), cached(system_a, 300), cached(system_b, 200), cached(system_b, 300)] == [whole] * 4
 
 def test_client_disconnect_aborts_and_frees_kv(app):
     """A stream the client drops mid-way is aborted: the abort counter moves and KV usage
@@ -243,11 +226,13 @@ def test_served_name_and_options_come_from_the_config(tmp_path):
 
     config, model = resolve_pool({"max_queued_requests": 5, "api_key": "k", "max_running_requests": 3}, preset("cpu"))
     options = serve_options(config, model=model)
-    assert (options.max_queued_requests, options.api_key, options.num_replicas, options.router) == (5, "k", 1, "least-loaded")
+    assert (options.max_queued_requests, options.api_key, options.num_replicas, options.router) == (5, "k", 1, "cache-aware")
     engine = engine_deployment_options(config, options)
     # The engine's own bound (3 running + 5 queued) rejects before Serve's in-flight bound.
     assert engine["max_ongoing_requests"] > 3 + 5 and engine["name"] == "engine"
-    assert engine["request_router_config"].request_router_class.endswith("LeastLoadedRouter")
+    assert engine["request_router_config"].request_router_class.endswith("CacheAwareRouter")
+    # The router's tree cuts prompts into the engines' KV blocks.
+    assert engine["request_router_config"].request_router_kwargs == {"block_size": block_size_for(config)}
     assert ingress_deployment_options(config, options)["max_ongoing_requests"] >= engine["max_ongoing_requests"]
     with pytest.raises(ValueError, match="router='nope'"):
         serve_options(config, model=None, router="nope")
