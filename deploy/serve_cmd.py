@@ -7,7 +7,8 @@
                    [--http-keep-alive-timeout-s S] [--http-request-timeout-s S]
                    [--placement-strategy PACK|STRICT_PACK|SPREAD|STRICT_SPREAD]
                    [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
-                    [--prefill-tp A] [--decode-tp B] [--kv-transport nixl|ray]
+                    [--prefill-tp A] [--decode-tp B] [--prefill-dp D] [--decode-dp D]
+                    [--prefill-ep E] [--decode-ep E] [--kv-transport nixl|ray]
                     [--kv-load-failure-policy recompute|fail]
                     [--prefill-placement-strategy S] [--decode-placement-strategy S]]
                    [--elastic-ep-autoscale [--elastic-ep-autoscale-interval S] ...]
@@ -31,7 +32,9 @@ is resolved once, here, then:
   ``--prefill-replicas`` replicas compute prompts, ``--decode-replicas`` replicas decode,
   with the KV cache moved by NIXL (``--kv-transport ray``: the Ray-object fallback). Each
   pool's configuration is resolved once, for its role (``--prefill-tp``/``--decode-tp``
-  set its TP size; they may differ). ``--kv-load-failure-policy`` (vLLM's name) says what
+  set its TP size, ``--prefill-dp``/``--decode-dp`` its DP-attention ranks, and
+  ``--prefill-ep``/``--decode-ep`` its EP size; the pools may differ in each).
+  ``--kv-load-failure-policy`` (vLLM's name) says what
   a failed KV load does: ``recompute`` (default) or ``fail``.
 - ``--placement-strategy`` says how every pool's worker groups lay their ranks over the
   nodes (``PACK``, the default: one node when a group fits one; ``STRICT_PACK``, ``SPREAD``,
@@ -187,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--decode-replicas", type=int, default=None, help="decode engine replicas (default 1)")
     pd.add_argument("--prefill-tp", type=int, default=None, help="TP size of each prefill replica (default: --tp-size)")
     pd.add_argument("--decode-tp", type=int, default=None, help="TP size of each decode replica (default: --tp-size)")
+    for pool in ("prefill", "decode"):
+        pd.add_argument(
+            f"--{pool}-dp", type=int, default=None,
+            help=f"DP-attention ranks inside each {pool} replica, dividing its TP size (default: --dp-size with "
+            "--enable-dp-attention; 1 turns DP attention off for this pool)",
+        )  # fmt: skip
+        pd.add_argument(f"--{pool}-ep", type=int, default=None, help=f"EP size of each {pool} replica (default: --ep-size)")
     pd.add_argument(
         "--kv-transport",
         choices=("auto", "nixl", "ray"),
@@ -232,8 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The PD pools' parallelism beyond --prefill-tp / --decode-tp (plan_serving's pool_sizes).
+POOL_SIZE_FLAGS = ("prefill_dp", "decode_dp", "prefill_ep", "decode_ep")
 PD_ONLY_FLAGS = (
-    "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp",
+    "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", *POOL_SIZE_FLAGS,
     "prefill_placement_strategy", "decode_placement_strategy",
 )  # fmt: skip
 # The flags that name a placement strategy: the pools they set (None: every pool of the mode).
@@ -370,6 +382,7 @@ def plan_for(opts: argparse.Namespace, given: dict[str, Any], platform: Any = No
         pd=opts.pd,
         prefill_tp=opts.prefill_tp,
         decode_tp=opts.decode_tp,
+        pool_sizes={name: getattr(opts, name, None) for name in POOL_SIZE_FLAGS},
         router=opts.router,
         num_replicas=opts.num_replicas,
         replica_num_cpus=opts.replica_num_cpus,

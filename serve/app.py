@@ -98,7 +98,12 @@ OPTION_ARGS = (
     "placement_strategy", "max_prompts_per_request", "request_body_timeout_s", "max_header_bytes",
 )  # fmt: skip
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
-PD_OPTION_ARGS = ("prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", "kv_transport", "kv_load_failure_policy")
+# The PD pools' parallelism beyond prefill_tp / decode_tp (plan_serving's pool_sizes).
+POOL_SIZE_ARGS = ("prefill_dp", "decode_dp", "prefill_ep", "decode_ep")
+PD_OPTION_ARGS = (
+    "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", *POOL_SIZE_ARGS, "kv_transport",
+    "kv_load_failure_policy",
+)  # fmt: skip
 
 
 # -- the ingress's engine client ---------------------------------------------------------
@@ -494,7 +499,8 @@ def build(args: dict[str, Any]) -> Application:
     (``least-loaded``|``prefix-affinity``), ``num_replicas``, ``replica_num_cpus``,
     ``stream_batch_ms``, ``max_body_bytes``, ``max_prompts_per_request``, ``request_body_timeout_s``,
     ``max_header_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
-    ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``kv_transport``,
+    ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``prefill_dp``, ``decode_dp``,
+    ``prefill_ep``, ``decode_ep`` (as the flags of the same names), ``kv_transport``,
     ``kv_load_failure_policy``; elastic EP (``elastic_ep_backend: ray``, ``max_ep_size``):
     ``elastic_ep_autoscale: true`` and its knobs (:data:`AUTOSCALE_ARGS`, as the
     ``flotilla serve`` flags of the same names); ``placement`` (a mapping of ``engine``,
@@ -524,6 +530,7 @@ def build(args: dict[str, Any]) -> Application:
         pd=pd,
         prefill_tp=opt("prefill_tp", int),
         decode_tp=opt("decode_tp", int),
+        pool_sizes={name: opt(name, int) for name in POOL_SIZE_ARGS},
         router=str(option_args.get("router", "cache-aware")),
         num_replicas=opt("num_replicas", int),
         replica_num_cpus=opt("replica_num_cpus", float),

@@ -227,6 +227,12 @@ class KVHandoff:
         if reason in ("length", "stop") and blocks and completion.token_ids:
             self.leases.grant(command.engine_id, blocks, command.lease_s)
             kv = self.engine.runner.kv
+            dp_rank = self.engine.held_kv_dp_rank(command.engine_id)
+            peer_id, peer_metadata = "", []
+            if kv.attached:
+                # NOTE: the runner's handle keeps its ranks' metadata (fixed until it detaches);
+                # a DP-attention group names the DP rank holding the blocks as its own peer.
+                peer_id, peer_metadata = kv.dp_peer(dp_rank)
             return PrefillTicket(
                 request_id=command.request.request_id,
                 prefill_request_id=command.engine_id,
@@ -235,11 +241,11 @@ class KVHandoff:
                 block_ids=blocks,
                 finish_reason=reason,
                 replica_id=self.metrics.replica_id,
-                peer_id=(kv.peer_id or "") if kv.attached else "",
-                # NOTE: the runner's handle keeps its ranks' metadata (fixed until it detaches).
-                peer_metadata=kv.metadata() if kv.attached else [],
+                peer_id=peer_id,
+                peer_metadata=peer_metadata,
                 lease_s=command.lease_s,
                 chunk=chunk,
+                dp_rank=dp_rank,
             )
         self.engine.release_kv(command.engine_id)
         return EngineUnavailableError(

@@ -117,6 +117,9 @@ class EngineReplica:
         self._push_task: asyncio.Task | None = None
         self.elastic: ElasticEPScaler | None = None
         self._autoscale: Any = None
+        if hasattr(self.engine.engine.scheduler, "schedulers"):
+            # NOTE: a DPScheduler (DP attention, or an elastic EP group): requests per DP rank.
+            self.engine.metrics.enable_dp_rank_requests(self.engine.dp_rank_requests)
         if options.elastic_plan is not None:
             if serve_id is not None:
                 configure_elastic_log()
@@ -143,7 +146,7 @@ class EngineReplica:
     def _start_elastic_ep(self, plan: ElasticEPPlan) -> None:
         """The scaler, its metrics and (when enabled) the autoscaler's driver."""
         engine = self.engine
-        metrics = engine.metrics.enable_elastic_ep(lambda: engine.ep_size, engine.dp_rank_requests)
+        metrics = engine.metrics.enable_elastic_ep(lambda: engine.ep_size)
         self.elastic = ElasticEPScaler(engine, plan, metrics)
         autoscale = self.options.elastic_autoscale
         if not autoscale.enabled:
@@ -264,6 +267,7 @@ class EngineReplica:
 
     async def describe(self) -> dict[str, Any]:
         """What this replica is, for operators and tests: ``replica_id``, ``pool``, ``tp_size``,
+        ``dp_size`` (DP-attention ranks of its engine group; 1 without DP attention), ``ep_size``,
         ``kv_peer_id`` (PD roles), ``rank_actors`` (the worker actors running its ranks,
         rank order; empty when its one rank runs in this process), ``rank_nodes`` (the Ray node
         of each of those ranks, rank order), ``placement_strategy`` (its worker group's; None
@@ -273,6 +277,8 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "pool": self.pool,
             "tp_size": int(self.config.tp_size or 1),
+            "dp_size": int(getattr(self.engine.engine.scheduler, "dp_size", 1)),
+            "ep_size": self.engine.ep_size,
             "kv_peer_id": self.kv_peer_id,
             "rank_actors": list(group.actors) if group is not None else [],
             "rank_nodes": group.rank_nodes() if group is not None else [],

@@ -28,8 +28,9 @@ An elastic EP deployment's replica adds (:class:`ElasticEPMetrics`, same labels)
 ``ep_size`` (ranks serving now), the counter ``ep_scale_total{outcome="success|failure"}``
 (scales that ran; refused requests are not counted), the histograms ``ep_scale_seconds``
 (a successful scale, from its request to serving at the new size) and
-``ep_commit_pause_seconds`` (how long its commit paused the engine: no tokens produced),
-and the counter ``dp_rank_requests_total{dp_rank}`` (requests admitted per DP rank).
+``ep_commit_pause_seconds`` (how long its commit paused the engine: no tokens produced).
+A replica whose engine has DP ranks (DP attention in any pool, or elastic EP) adds the counter
+``dp_rank_requests_total{dp_rank}`` (requests admitted per DP rank).
 
 Replicas are separate actors, so the ingress cannot read their registries. Each replica
 pushes its exposition text to :class:`MetricsHub`, one small named Ray actor per
@@ -196,11 +197,15 @@ class EngineMetrics:
         from the start), oldest first; only the last :data:`RECENT_TTFTS` are kept."""
         return self.time_to_first_token.since(cursor)
 
-    def enable_elastic_ep(
-        self, ep_size: Callable[[], int], dp_rank_requests: Callable[[], list[int]]
-    ) -> "ElasticEPMetrics":
+    def enable_elastic_ep(self, ep_size: Callable[[], int]) -> "ElasticEPMetrics":
         """Add the elastic EP series to this registry (see :class:`ElasticEPMetrics`)."""
-        return ElasticEPMetrics(self.registry, self._labels, ep_size, dp_rank_requests)
+        return ElasticEPMetrics(self.registry, self._labels, ep_size)
+
+    def enable_dp_rank_requests(self, counts: Callable[[], list[int]]) -> None:
+        """Add ``dp_rank_requests_total{dp_rank}`` (requests admitted per DP rank so far, read
+        from ``counts`` at exposition time) to this registry: engines with DP ranks (DP
+        attention, elastic EP)."""
+        self.registry.register(_DPRankRequests(self._labels, counts))
 
     def exposition(self) -> str:
         """This replica's metrics in the Prometheus text format."""
@@ -232,23 +237,16 @@ class _Recent:
 class ElasticEPMetrics:
     """An elastic EP replica's series, in its :class:`EngineMetrics` registry.
 
-    ``ep_size`` and ``dp_rank_requests_total`` are read at exposition time from the
-    callables; :meth:`record_scale` counts a scale that ran.
+    ``ep_size`` is read at exposition time from the callable (the requests per DP rank are
+    :meth:`EngineMetrics.enable_dp_rank_requests`'); :meth:`record_scale` counts a scale that ran.
 
     Args:
         registry: the replica's registry.
         labels: the ``replica`` and ``pool`` labels.
         ep_size: the EP size serving now.
-        dp_rank_requests: requests admitted so far per DP rank (index = DP rank).
     """
 
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        labels: dict[str, str],
-        ep_size: Callable[[], int],
-        dp_rank_requests: Callable[[], list[int]],
-    ):
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str], ep_size: Callable[[], int]):
         names = list(labels)
         self._labels = dict(labels)
         self._ep_size = ep_size
@@ -273,7 +271,6 @@ class ElasticEPMetrics:
             "Seconds an elastic EP commit paused the engine (no tokens produced).",
             names, buckets=_EP_COMMIT_BUCKETS, registry=registry,
         ).labels(**labels)  # fmt: skip
-        registry.register(_DPRankRequests(self._labels, dp_rank_requests))
 
     def _read_ep_size(self) -> float:
         try:
@@ -295,7 +292,7 @@ class _DPRankRequests:
     """The ``dp_rank_requests_total{dp_rank}`` counter, read from the engine's counts."""
 
     NAME = PREFIX + "dp_rank_requests"
-    DOC = "Requests admitted per DP rank (elastic EP: new ranks receive requests once committed)."
+    DOC = "Requests admitted per DP rank (DP attention, elastic EP: new ranks receive requests once committed)."
 
     def __init__(self, labels: dict[str, str], counts: Callable[[], list[int]]):
         self._labels, self._counts = labels, counts

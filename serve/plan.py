@@ -62,6 +62,7 @@ def plan_serving(
     pd: bool = False,
     prefill_tp: int | None = None,
     decode_tp: int | None = None,
+    pool_sizes: Mapping[str, int | None] | None = None,
     **options: Any,
 ) -> ServePlan:
     """The plan for the server fields the user set (``given``; ``model_path`` is the
@@ -71,14 +72,16 @@ def plan_serving(
     The user's fields are checked against the runtime-support table first (an
     :class:`~flotilla.resolution.runtime_support.UnsupportedSettingsError` naming each flag).
     PD mode (``pd=True``): each pool resolves from :func:`pd_server_fields` (``prefill_tp``,
-    ``decode_tp``: ``--prefill-tp`` / ``--decode-tp``) and :func:`check_pd_options` holds;
+    ``decode_tp``: ``--prefill-tp`` / ``--decode-tp``; ``pool_sizes``: its other keywords,
+    ``prefill_dp``, ``decode_ep``, ...) and :func:`check_pd_options` holds;
     else one pool, and an elastic EP deployment's joiners (:func:`elastic_plan_for`).
     ``options``: :func:`serve_options`' keyword arguments (router, replicas, limits, ...)."""
     check_user_settings(given)
     facts = platform if platform is not None else probe_for_workers()
     model = given.get("model_path")
     if pd:
-        prefill_fields, decode_fields = pd_server_fields(given, prefill_tp, decode_tp)
+        sizes = {k: v for k, v in (pool_sizes or {}).items() if v is not None}
+        prefill_fields, decode_fields = pd_server_fields(given, prefill_tp, decode_tp, **sizes)
         config = resolve_pool(prefill_fields, facts)[0]
         decode_config = resolve_pool(decode_fields, facts)[0]
         serve = serve_options(
@@ -307,19 +310,39 @@ def elastic_plan_for(given_fields: Mapping[str, Any], config: ResolvedConfig, pl
 # -- PD pools -----------------------------------------------------------------------------
 
 
+# The per-pool parallelism flags: (keyword, server field, flag) for each pool's TP, DP and EP.
+POOL_PARALLEL_FLAGS = {
+    pool: tuple((f"{pool}_{kind}", field, f"--{pool}-{kind}") for kind, field in (("tp", "tp_size"), ("dp", "dp_size"), ("ep", "ep_size")))
+    for pool in ("prefill", "decode")
+}  # fmt: skip
+
+
 def pd_server_fields(
-    given: Mapping[str, Any], prefill_tp: int | None = None, decode_tp: int | None = None
+    given: Mapping[str, Any],
+    prefill_tp: int | None = None,
+    decode_tp: int | None = None,
+    *,
+    prefill_dp: int | None = None,
+    decode_dp: int | None = None,
+    prefill_ep: int | None = None,
+    decode_ep: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The server fields each pool resolves from: the user's (``given``, from the
-    flags) with ``disaggregation_mode`` set to the pool's role and ``tp_size`` to
-    ``--prefill-tp`` / ``--decode-tp`` when given (else the shared ``--tp-size``).
+    flags) with ``disaggregation_mode`` set to the pool's role, and each pool's parallelism
+    where its own flag is given (else the shared ``--tp-size``, ``--dp-size``, ``--ep-size``):
+    ``--prefill-tp``/``--decode-tp`` set ``tp_size`` (the pool's ranks per replica),
+    ``--prefill-ep``/``--decode-ep`` set ``ep_size``, and ``--prefill-dp``/``--decode-dp`` set
+    ``dp_size`` with DP attention (``enable_dp_attention`` on above 1, off at 1: a PD pool's
+    data parallelism is DP attention inside each replica; more replicas are
+    ``--prefill-replicas``/``--decode-replicas``). The seeds' DP/EP rules then apply per pool.
 
     Choices made here (each overridable by giving the flag): the transfer backend reads
     ``nixl`` (what moves the KV; flotilla has no mooncake), and the decode pool keeps its
     prefix cache (``--disaggregation-decode-enable-radix-cache``; SGLang's decode servers
     default to no radix cache), so prompts sharing a prefix skip those blocks' transfer.
 
-    Raises ValueError naming the flag for a transfer backend flotilla does not have.
+    Raises ValueError naming the flag for a transfer backend flotilla does not have, a size
+    that is not an integer >= 1, or a pool DP size that does not divide its TP size.
     """
     base = {k: v for k, v in given.items() if k != "disaggregation_mode"}
     backend = base.get("disaggregation_transfer_backend")
@@ -332,11 +355,26 @@ def pd_server_fields(
     prefill = {**base, "disaggregation_mode": "prefill"}
     decode = {**base, "disaggregation_mode": "decode"}
     decode.setdefault("disaggregation_decode_enable_radix_cache", True)
-    for fields, tp, flag in ((prefill, prefill_tp, "--prefill-tp"), (decode, decode_tp, "--decode-tp")):
-        if tp is not None:
-            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-                raise ValueError(f"{flag} must be an integer >= 1 (got {tp!r})")
-            fields["tp_size"] = tp
+    sizes = {
+        "prefill_tp": prefill_tp, "decode_tp": decode_tp, "prefill_dp": prefill_dp, "decode_dp": decode_dp,
+        "prefill_ep": prefill_ep, "decode_ep": decode_ep,
+    }  # fmt: skip
+    for pool, fields in (("prefill", prefill), ("decode", decode)):
+        for keyword, field, flag in POOL_PARALLEL_FLAGS[pool]:
+            size = sizes[keyword]
+            if size is None:
+                continue
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{flag} must be an integer >= 1 (got {size!r})")
+            fields[field] = size
+            if field == "dp_size":
+                fields["enable_dp_attention"] = size > 1
+        dp, tp = int(fields.get("dp_size") or 1), int(fields.get("tp_size") or 1)
+        if fields.get("enable_dp_attention") and tp % dp:
+            raise ValueError(
+                f"--{pool}-dp {dp} must divide the {pool} pool's TP size {tp} (--{pool}-tp, else --tp-size): "
+                f"DP attention splits a replica's {tp} ranks into {dp} DP ranks"
+            )
     return prefill, decode
 
 
@@ -368,11 +406,12 @@ def check_pd_options(prefill_config: Any, decode_config: Any, options: ServeOpti
     for role, config in (("prefill", prefill_config), ("decode", decode_config)):
         if config.disaggregation_mode != role:
             raise ValueError(f"the {role} pool's config has disaggregation_mode={config.disaggregation_mode!r}")
-        if int(config.dcp_size or 1) > 1 or config.enable_dp_attention:
+        if int(config.dcp_size or 1) > 1 or int(config.attn_cp_size or 1) > 1:
             raise ValueError(
-                f"the {role} pool: PD moves a prompt's whole KV between engines; decode context parallelism "
-                f"(dcp_size={config.dcp_size}) and DP attention (enable_dp_attention={config.enable_dp_attention}) "
-                "are not supported with --disaggregation-mode pd"
+                f"the {role} pool: PD moves whole KV blocks between engines by heads; decode context parallelism "
+                f"(dcp_size={config.dcp_size}) and attention context parallelism (attn_cp_size={config.attn_cp_size}) "
+                "shard each block's tokens over ranks and are not supported with --disaggregation-mode pd "
+                "(DP attention and EP are: --prefill-dp/--decode-dp, --prefill-ep/--decode-ep)"
             )
     pairs = (
         ("model_path", prefill_config.model_path, decode_config.model_path),

@@ -31,6 +31,10 @@ interface :class:`~flotilla.cluster.engine.llm_engine.LLMEngine` drives.
   divides it by ``dp_size``, as SGLang does); ``max_running_requests`` counts the whole
   group, so each DP rank may run ``max_running_requests // dp_size`` (see
   :func:`build_scheduler`).
+* **KV handoff.** A prefill/decode pool may run DP attention: a prefilled prompt's blocks
+  are held on the DP rank that computed it (:meth:`DPScheduler.held_rank`), and a prefilled
+  request is admitted on the DP rank it was routed to; the block ids on either side are that
+  DP rank's pool's, and only that DP rank's ranks move its KV.
 
 Pure Python: no torch.
 """
@@ -172,6 +176,10 @@ class CombinedPools:
     def block_size(self) -> int:
         return self._pools[0].block_size
 
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks ``num_tokens`` tokens take on any DP rank's pool (every pool has one block size)."""
+        return self._pools[0].blocks_for_tokens(num_tokens)
+
     @property
     def num_blocks(self) -> int:
         return sum(p.num_blocks for p in self._pools)
@@ -241,6 +249,11 @@ class DPScheduler:
         self._rank_of: dict[str, int] = {}
         # group key -> (DP rank, live requests of the group)
         self._groups: dict[str, tuple[int, int]] = {}
+        # KV handoff: the DP rank whose pool holds a finished request's held blocks
+        # (hold_blocks), and a loading request's blocks finished while its read was in flight
+        # (release_draining), by request id: both outlive the request's routing entry.
+        self._held_rank: dict[str, int] = {}
+        self._draining_rank: dict[str, int] = {}
         self.num_steps = 0
         self.num_steps_with_idle_rank = 0
 
@@ -257,6 +270,11 @@ class DPScheduler:
     @property
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.schedulers)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their prompt's KV from elsewhere, over every DP rank."""
+        return sum(s.num_loading for s in self.schedulers)
 
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
@@ -325,6 +343,8 @@ class DPScheduler:
         if not self.schedulers[rank].finish(request_id, status):
             return False
         del self._rank_of[request_id]
+        if self.schedulers[rank].is_draining(request_id):
+            self._draining_rank[request_id] = rank
         key = self._group_key(request_id)
         _, live = self._groups[key]
         if live == 1:
@@ -336,6 +356,66 @@ class DPScheduler:
     def abort(self, request_id: str) -> bool:
         """Cancel a waiting or running request; its DP rank's blocks are free on return."""
         return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- KV handoff (prefill/decode disaggregation), each on the request's DP rank ------
+
+    def _live_rank(self, request_id: str) -> int:
+        rank = self._rank_of.get(request_id)
+        if rank is None:
+            raise ValueError(f"request_id {request_id!r} is not live on any DP rank")
+        return rank
+
+    def hold_blocks(self, request_id: str) -> list[int]:
+        """:meth:`Scheduler.hold_blocks` on the request's DP rank: the block ids are that
+        rank's (:meth:`held_rank` says which)."""
+        rank = self._live_rank(request_id)
+        blocks = self.schedulers[rank].hold_blocks(request_id)
+        self._held_rank[request_id] = rank
+        return blocks
+
+    def held_blocks(self, request_id: str) -> list[int] | None:
+        """The block ids held for ``request_id`` on its DP rank's pool, or None."""
+        rank = self._held_rank.get(request_id)
+        return None if rank is None else self.schedulers[rank].held_blocks(request_id)
+
+    def held_rank(self, request_id: str) -> int | None:
+        """The DP rank whose KV pool holds ``request_id``'s held blocks (None: none held)."""
+        return self._held_rank.get(request_id)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(s.num_held_blocks for s in self.schedulers)
+
+    def release_held_blocks(self, request_id: str) -> list[int] | None:
+        """:meth:`Scheduler.release_held_blocks` on the DP rank that holds them."""
+        rank = self._held_rank.pop(request_id, None)
+        return None if rank is None else self.schedulers[rank].release_held_blocks(request_id)
+
+    @property
+    def waiting_for_held_blocks(self) -> bool:
+        """Whether no DP rank can make progress because held blocks fill its pool: some rank's
+        last schedule was blocked on them and every rank with unfinished requests was."""
+        pending = [s for s in self.schedulers if s.has_unfinished()]
+        return bool(pending) and all(s.waiting_for_held_blocks for s in pending)
+
+    def admit_prefilled(self, request_id: str) -> tuple[list[int], int] | None:
+        """:meth:`Scheduler.admit_prefilled` on the DP rank the request was routed to
+        (:meth:`rank_of`): the block ids are that rank's pool's."""
+        return self.schedulers[self._live_rank(request_id)].admit_prefilled(request_id)
+
+    def remote_kv_loaded(self, request_id: str, first_token: int) -> Request:
+        return self.schedulers[self._live_rank(request_id)].remote_kv_loaded(request_id, first_token)
+
+    def remote_kv_failed(self, request_id: str) -> Request:
+        return self.schedulers[self._live_rank(request_id)].remote_kv_failed(request_id)
+
+    def is_draining(self, request_id: str) -> bool:
+        return request_id in self._draining_rank
+
+    def release_draining(self, request_id: str) -> bool:
+        """:meth:`Scheduler.release_draining` on the DP rank the finished request lived on."""
+        rank = self._draining_rank.pop(request_id, None)
+        return rank is not None and self.schedulers[rank].release_draining(request_id)
 
     # ---- the step ----------------------------------------------------------------
 

@@ -380,9 +380,9 @@ class GroupKV:
     def attach(self, factory: Any) -> None:
         """Build every rank's KV endpoint in its actor: ``factory(rank, kv_caches, head_span)``
         (``factory`` is pickled to the ranks; once until :meth:`detach`).
-        NotImplementedError under DCP, DP attention or attention context parallelism."""
+        NotImplementedError under DCP or attention context parallelism."""
         topology = self.group.topology
-        check_kv_attachable(topology.dcp_size, topology.attn_dp_size, topology.attn_cp_size)
+        check_kv_attachable(topology.dcp_size, topology.attn_cp_size)
         if self.attached:
             raise RuntimeError("KV endpoints are already attached to this group's ranks; detach them (kv.detach()) first")
         try:
@@ -400,6 +400,19 @@ class GroupKV:
             self._metadata = [entry for rank in self.group.call("kv", "metadata") for entry in rank]
         return list(self._metadata)
 
+    def dp_peer(self, dp_rank: int) -> tuple[str, list[bytes]]:
+        """``(peer id, metadata)`` of DP-attention rank ``dp_rank``'s ranks, as a ticket of
+        its blocks names them: the ranks of that DP rank only (rank order), under a peer id of
+        its own (``f"{peer_id}/dp{dp_rank}"``). Without DP attention: the whole group."""
+        topology = self.group.topology
+        metadata = self.metadata()
+        if topology.attn_dp_size == 1:
+            return self.peer_id or "", metadata
+        if not 0 <= dp_rank < topology.attn_dp_size:
+            raise ValueError(f"dp_rank must be in [0, {topology.attn_dp_size}) (got dp_rank={dp_rank!r})")
+        width = topology.world_size // topology.attn_dp_size
+        return f"{self.peer_id}/dp{dp_rank}", metadata[dp_rank * width : (dp_rank + 1) * width]
+
     def connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
         """Every rank connects peer engine ``peer_id`` (its ``metadata()``; idempotent).
         NOTE: waits for reads in flight on the ranks; the engine connects through
@@ -413,17 +426,26 @@ class GroupKV:
         dst: Sequence[int],
         timeout_s: float,
         connect_with: Sequence[bytes] | None = None,
+        dp_rank: int | None = None,
     ) -> "GroupKVRead":
         """Have every rank start reading its KV heads of ``peer_id``'s blocks ``src`` into
         blocks ``dst`` (each on its port's thread, bounded by ``timeout_s``; connecting the
         peer first with ``connect_with`` when a rank has not); returns at once with a handle
-        the driver polls. Its result is the bytes moved, all ranks summed, or the lowest
-        failing rank's KVRankError; WorkerGroupError when a rank died."""
+        the driver polls. ``dp_rank``: the blocks are that DP-attention rank's, and only its
+        ranks read (the others answer 0 bytes at once). Its result is the bytes moved, all
+        ranks summed, or the lowest failing rank's KVRankError; WorkerGroupError when a rank
+        died."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (got timeout_s={timeout_s!r})")
+        dp_size = self.group.topology.attn_dp_size
+        if dp_rank is not None and not 0 <= int(dp_rank) < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size}) (got dp_rank={dp_rank!r})")
+        if dp_rank is None and dp_size > 1:
+            raise ValueError(f"a DP-attention group (dp_size={dp_size}) reads into one DP rank's pool: pass dp_rank")
         read_id = next(self._ids)
         args = (peer_id, [int(b) for b in src], [int(b) for b in dst], float(timeout_s))
-        self.group.call("kv", "submit_read", read_id, *args, None if connect_with is None else list(connect_with))
+        connect = None if connect_with is None else list(connect_with)
+        self.group.call("kv", "submit_read", read_id, *args, connect, None if dp_rank is None else int(dp_rank))
         self._reads[read_id] = {}
         # NOTE: each rank bounds its read by timeout_s; past that plus the group's RPC bound a
         # silent rank counts as a failed read.

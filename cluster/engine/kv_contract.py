@@ -56,7 +56,11 @@ class PrefillTicket:
             side connects once per peer id); empty when nothing is to be connected (an
             offline copier).
         peer_metadata: per prefill rank (rank order), the transport metadata of its KV
-            endpoint (``cluster.kv.endpoint.KVEndpoint.metadata``).
+            endpoint (``cluster.kv.endpoint.KVEndpoint.metadata``). Under DP attention on the
+            prefill side: the ranks of the DP rank holding the blocks only, and ``peer_id``
+            names that DP rank (to the decode side each prefill DP rank is its own peer).
+        dp_rank: the prefill DP-attention rank whose pool holds ``block_ids`` (0 without DP
+            attention).
         lease_s: how long the prefill side holds the blocks without a release (0: no lease,
             offline: until ``release_prefill``).
         chunk: the prefill's own final chunk (the serving side's ``GenerateChunk``: the first
@@ -75,6 +79,7 @@ class PrefillTicket:
     peer_metadata: list[bytes] = field(default_factory=list)
     lease_s: float = 0.0
     chunk: Any = None
+    dp_rank: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -110,10 +115,13 @@ class KVReader(Protocol):
         dst: Sequence[int],
         timeout_s: float,
         connect_with: Sequence[bytes] | None = None,
+        dp_rank: int | None = None,
     ) -> KVRead:
         """Start reading peer blocks ``src`` into local blocks ``dst`` (pairwise) within
         ``timeout_s``; with ``connect_with`` (the peer's per-rank metadata), connect the peer
-        first when it is not connected. Returns at once; the read runs elsewhere."""
+        first when it is not connected; ``dp_rank``: only the ranks of that DP-attention rank
+        read (the blocks are its pool's; None: every rank). Returns at once; the read runs
+        elsewhere."""
         ...
 
     def forget(self, peer_id: str) -> None:

@@ -71,7 +71,13 @@ class BlockCopier:
         self.copy_blocks = copy_blocks
 
     def start_read(
-        self, peer_id: str, src: Sequence[int], dst: Sequence[int], timeout_s: float, connect_with: Any = None
+        self,
+        peer_id: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        timeout_s: float,
+        connect_with: Any = None,
+        dp_rank: int | None = None,
     ) -> Future:
         done: Future = Future()
         try:
@@ -121,8 +127,9 @@ def prefill(
         )
     blocks = engine.held_kv_blocks(request_id) or []
     return PrefillTicket(
-        request_id, request_id, list(output.prompt_token_ids), completion.token_ids[0], blocks, completion.finish_reason
-    )
+        request_id, request_id, list(output.prompt_token_ids), completion.token_ids[0], blocks, completion.finish_reason,
+        dp_rank=engine.held_kv_dp_rank(request_id),
+    )  # fmt: skip
 
 
 def release_prefill(engine: "LLMEngine", ticket: PrefillTicket) -> bool:

@@ -705,6 +705,12 @@ class LLMEngine:
         KV, in position order), or None (not finished, not held, or already released)."""
         return getattr(self.scheduler, "held_blocks", lambda _: None)(request_id)
 
+    def held_kv_dp_rank(self, request_id: str) -> int:
+        """The DP-attention rank whose KV pool holds ``request_id``'s held blocks (0 without DP
+        attention): only that DP rank's ranks serve their reads."""
+        rank = getattr(self.scheduler, "held_rank", lambda _: None)(request_id)
+        return int(rank or 0)
+
     def release_kv(self, request_id: str) -> bool:
         """Free the KV blocks held for ``request_id``; False when none are held."""
         release = getattr(self.scheduler, "release_held_blocks", None)
@@ -766,10 +772,13 @@ class LLMEngine:
         if num_cached == len(dst):  # NOTE: match_prefix leaves the last token's block to fill
             self._join_batch(request_id, first_token)
             return request_id
+        # NOTE: under DP attention the blocks are the routed DP rank's; only its ranks read.
+        dp_rank = getattr(self.scheduler, "rank_of", lambda _: None)(request_id)
         try:
             self.remote_kv.start(
-                reader or self.runner.kv, request_id, ticket, src[num_cached : len(dst)], dst[num_cached:], timeout_s, policy
-            )
+                reader or self.runner.kv, request_id, ticket, src[num_cached : len(dst)], dst[num_cached:], timeout_s, policy,
+                dp_rank=dp_rank,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a read that cannot start goes through the policy
             self.scheduler.remote_kv_failed(request_id)
             if policy == "fail":
@@ -899,8 +908,8 @@ def _merged(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
 def _require_handoff_support(scheduler: Any) -> None:
     if not hasattr(scheduler, "admit_prefilled"):
         raise NotImplementedError(
-            f"KV handoff needs a single-pool scheduler ({type(scheduler).__name__} does not support it); "
-            "turn DP attention off on prefill/decode engines"
+            f"KV handoff needs a scheduler that holds and admits prefilled blocks ({type(scheduler).__name__} "
+            "does not); use Scheduler or DPScheduler"
         )
 
 

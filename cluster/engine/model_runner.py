@@ -219,7 +219,11 @@ class ModelRunner:
         self._staging = InputStaging(self.device)
         # This rank's KV handle for prefill/decode disaggregation: its port, bound to the
         # cache and head span (runner.kv.attach(factory) builds the endpoint).
-        self.kv = KVPort(self.parallel.tp_rank, self.kv_caches, self.kv_head_span, (self.parallel.dcp_size, self.parallel.dp_size, 1))
+        # NOTE: named by the rank's place in the engine group (DP-major), unique across DP ranks.
+        self.kv = KVPort(
+            self.parallel.dp_rank * self.parallel.tp_size + self.parallel.tp_rank, self.kv_caches, self.kv_head_span,
+            (self.parallel.dcp_size, 1), dp_rank=self.parallel.dp_rank,
+        )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         # NOTE: no warm-up across ranks: its collectives would need every rank (an elastic EP
         # joiner has no communicators yet); a group's kernels compile on its first step.

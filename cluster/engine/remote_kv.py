@@ -70,7 +70,8 @@ class RemoteKVReads:
     def __init__(self, listener: KVReadListener | None = None):
         self.listener = listener
         self._reads: dict[str, RemoteRead] = {}
-        self._peers: OrderedDict[str, KVReader] = OrderedDict()
+        # (peer id, reading DP rank or None) -> the reader it was connected on
+        self._peers: OrderedDict[tuple[str, int | None], KVReader] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._reads)
@@ -87,21 +88,28 @@ class RemoteKVReads:
         dst: Sequence[int],
         timeout_s: float,
         policy: str,
+        dp_rank: int | None = None,
     ) -> None:
         """Start reading ``ticket``'s blocks ``src`` into ``dst`` through ``reader``
-        (connecting its peer the first time it is seen, when the ticket carries its
-        metadata). Raises what starting the read raised (the listener heard it)."""
+        (connecting its peer the first time it is seen by the reading ranks, when the ticket
+        carries its metadata); ``dp_rank``: the DP-attention rank whose ranks read (None:
+        every rank). Raises what starting the read raised (the listener heard it)."""
         peer_id = ticket.peer_id
         connect_with = None
-        if ticket.peer_metadata and self._peers.get(peer_id) is not reader:
+        # NOTE: each DP rank's ranks connect a peer on their own, so "connected" is per DP rank.
+        key = (peer_id, dp_rank)
+        if ticket.peer_metadata and self._peers.get(key) is not reader:
             connect_with = list(ticket.peer_metadata)
         try:
-            handle = reader.start_read(peer_id, list(src), list(dst), timeout_s, connect_with)
+            if dp_rank is None:
+                handle = reader.start_read(peer_id, list(src), list(dst), timeout_s, connect_with)
+            else:
+                handle = reader.start_read(peer_id, list(src), list(dst), timeout_s, connect_with, dp_rank=dp_rank)
         except Exception as exc:
             self._heard_failure(peer_id, len(dst), exc)
             raise
         if ticket.peer_metadata:
-            self._remember_peer(peer_id, reader)
+            self._remember_peer(key, reader)
         started = time.monotonic()
         self._reads[request_id] = RemoteRead(
             request_id, ticket, len(dst), handle, started, started + timeout_s + READ_GRACE_S, policy
@@ -149,11 +157,14 @@ class RemoteKVReads:
         """Forget every peer (the runner they were connected on is gone)."""
         self._peers.clear()
 
-    def _remember_peer(self, peer_id: str, reader: KVReader) -> None:
-        self._peers[peer_id] = reader
-        self._peers.move_to_end(peer_id)
+    def _remember_peer(self, key: tuple[str, int | None], reader: KVReader) -> None:
+        self._peers[key] = reader
+        self._peers.move_to_end(key)
         while len(self._peers) > MAX_KV_PEERS:
-            old, old_reader = self._peers.popitem(last=False)
+            (old, _), old_reader = self._peers.popitem(last=False)
+            # NOTE: forgetting drops the peer on every rank: its other DP ranks' entries go too.
+            for other in [k for k in self._peers if k[0] == old]:
+                del self._peers[other]
             try:
                 old_reader.forget(old)
             except Exception:  # noqa: BLE001 - a peer that cannot be forgotten costs memory only
@@ -161,6 +172,7 @@ class RemoteKVReads:
 
     def _heard_failure(self, peer_id: str, num_blocks: int, error: BaseException) -> None:
         # NOTE: a failed read may have failed connecting: the next ticket of the peer connects again.
-        self._peers.pop(peer_id, None)
+        for key in [k for k in self._peers if k[0] == peer_id]:
+            del self._peers[key]
         if self.listener is not None:
             self.listener.kv_read_failed(peer_id, num_blocks, error)

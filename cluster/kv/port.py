@@ -55,23 +55,19 @@ class KVRankError(RuntimeError):
         return (KVRankError, (self.rank, self.reason))
 
 
-def check_kv_attachable(dcp_size: int, attn_dp_size: int, attn_cp_size: int = 1) -> None:
+def check_kv_attachable(dcp_size: int, attn_cp_size: int = 1) -> None:
     """Refuse a KV endpoint for layouts the head-sliced transfer does not cover.
 
     Raises NotImplementedError for decode context parallelism (``dcp_size > 1``: each rank
-    holds a token shard of every block), for DP attention (``attn_dp_size > 1``: each DP
-    rank has its own scheduler and block ids) and for attention context parallelism
-    (``attn_cp_size > 1``: ranks do not map to attention-TP ranks one to one).
+    holds a token shard of every block) and for attention context parallelism
+    (``attn_cp_size > 1``: ranks do not map to attention-TP ranks one to one). DP attention is
+    covered: each DP rank's ranks hold its own pool's blocks and move only those (see
+    :meth:`KVPort.start_read`'s ``dp_rank``).
     """
     if dcp_size > 1:
         raise NotImplementedError(
             f"prefill/decode disaggregation does not support decode context parallelism (got dcp_size={dcp_size}): "
             "each rank holds a token shard of every KV block; use dcp_size=1 on PD engines"
-        )
-    if attn_dp_size > 1:
-        raise NotImplementedError(
-            f"prefill/decode disaggregation does not support DP attention (got attention dp_size={attn_dp_size}): "
-            "each DP rank has its own scheduler and KV pool; turn enable_dp_attention off on PD engines"
         )
     if attn_cp_size > 1:
         raise NotImplementedError(
@@ -89,8 +85,10 @@ class KVPort:
         kv_caches: the rank's cache tensors (registered with the endpoint at attach).
         head_span: returns ``(start, count, total)``, the global KV heads the cache holds
             (called at attach: a model that cannot say is refused then, not before).
-        layout: ``(dcp_size, attn_dp_size, attn_cp_size)`` of the rank, checked at attach
+        layout: ``(dcp_size, attn_cp_size)`` of the rank, checked at attach
             (:func:`check_kv_attachable`).
+        dp_rank: the DP-attention rank whose scheduler and pool the cache serves (0 without
+            DP attention): a read for another DP rank's blocks moves nothing here.
     """
 
     def __init__(
@@ -98,9 +96,11 @@ class KVPort:
         rank: int,
         kv_caches: Any,
         head_span: Callable[[], tuple[int, int, int]],
-        layout: tuple[int, int, int] = (1, 1, 1),
+        layout: tuple[int, int] = (1, 1),
+        dp_rank: int = 0,
     ):
         self.rank = rank
+        self.dp_rank = int(dp_rank)
         self._kv_caches = kv_caches
         self._head_span = head_span
         self._layout = layout
@@ -122,7 +122,7 @@ class KVPort:
 
     def attach(self, factory: KVEndpointFactory) -> None:
         """Build the endpoint over the rank's cache (registers it; once until :meth:`detach`).
-        NotImplementedError under DCP, DP attention or attention context parallelism."""
+        NotImplementedError under DCP or attention context parallelism."""
         check_kv_attachable(*self._layout)
         if self._endpoint is not None:
             raise RuntimeError(
@@ -147,6 +147,13 @@ class KVPort:
                 self._metadata = [endpoint.metadata()]
         return list(self._metadata)
 
+    def dp_peer(self, dp_rank: int = 0) -> tuple[str, list[bytes]]:
+        """``(peer id, metadata)`` a ticket of this rank's blocks names (as a worker group's
+        ``dp_peer``; one rank: its own DP rank only)."""
+        if int(dp_rank) != self.dp_rank:
+            raise ValueError(f"rank {self.rank} serves DP rank {self.dp_rank}, not dp_rank={dp_rank!r}")
+        return self.peer_id or "", self.metadata()
+
     def connect(self, peer_id: str, peer_metadata: Sequence[bytes]) -> None:
         """Connect the peer engine ``peer_id`` (one metadata entry per peer rank, rank order;
         idempotent per peer). Waits for the reads queued before it."""
@@ -160,13 +167,19 @@ class KVPort:
         dst: Sequence[int],
         timeout_s: float,
         connect_with: Sequence[bytes] | None = None,
+        dp_rank: int | None = None,
     ) -> Future:
         """Start pulling this rank's KV heads of blocks ``src`` of ``peer_id`` into local
         blocks ``dst`` on the port's thread (first connecting the peer with ``connect_with``,
         its per-rank metadata, when it is not connected); returns at once. The future gives
         the bytes moved, or raises KVRankError (a transfer failure, the timeout) or
-        ValueError (misuse)."""
+        ValueError (misuse). ``dp_rank``: the DP-attention rank whose pool ``dst`` names; a
+        rank of another DP rank moves nothing (its future gives 0 at once)."""
         endpoint = self._require()
+        if dp_rank is not None and int(dp_rank) != self.dp_rank:
+            skipped: Future = Future()
+            skipped.set_result(0)
+            return skipped
         args = (peer_id, [int(b) for b in src], [int(b) for b in dst], float(timeout_s))
         metadata = None if connect_with is None else list(connect_with)
         return self._on_thread(self._read, endpoint, *args, metadata)
@@ -183,10 +196,11 @@ class KVPort:
         dst: Sequence[int],
         timeout_s: float,
         connect_with: Sequence[bytes] | None = None,
+        dp_rank: int | None = None,
     ) -> None:
         """:meth:`start_read` under ``read_id`` (a worker group's handle: the group polls it
         with :meth:`poll_reads`); returns at once."""
-        self._tracked[int(read_id)] = self.start_read(peer_id, src, dst, timeout_s, connect_with)
+        self._tracked[int(read_id)] = self.start_read(peer_id, src, dst, timeout_s, connect_with, dp_rank)
 
     def poll_reads(self, read_ids: Sequence[int]) -> dict[int, Any]:
         """The outcome of each ended read of ``read_ids`` (the bytes moved, or the exception

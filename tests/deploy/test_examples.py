@@ -14,7 +14,7 @@ from flotilla.deploy.config_file import load_serve_config
 from flotilla.deploy.serve_cmd import parse_serve_args, plan_for
 from flotilla.resolution.platform import PRESETS
 from flotilla.serve.types import check_placement
-from helpers.resolution_configs import LLAMA_128K
+from helpers.resolution_configs import DEEPSEEK_V3, LLAMA_128K
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
@@ -74,10 +74,11 @@ EXAMPLES = {
     "llama-70b-tp8.yaml": ("h200", "meta-llama/Llama-3.1-70B-Instruct", LLAMA_31_70B),
     "pd-node-groups.yaml": ("h200", "meta-llama/Llama-3.1-70B-Instruct", LLAMA_31_70B),
     "elastic-ep-moe.yaml": ("h200", "Qwen/Qwen3-30B-A3B", QWEN3_30B_A3B),
+    "deepseek-v3-pd-wide-ep.yaml": ("h200", "deepseek-ai/DeepSeek-V3", DEEPSEEK_V3),
 }
 
 
-def test_the_examples_are_the_five_named():
+def test_the_examples_are_the_six_named():
     assert sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml")) == sorted(EXAMPLES)
 
 
@@ -148,6 +149,22 @@ def test_pd_example_resolves_each_pool_and_pins_it_to_its_node_group(tmp_path):
     assert opts.pd and (prefill.disaggregation_mode, decode.disaggregation_mode) == ("prefill", "decode")
     assert (prefill.tp_size, decode.tp_size, options.prefill_replicas, options.decode_replicas) == (4, 8, 2, 1)
     assert (options.kv_transport, options.kv_load_failure_policy) == ("nixl", "recompute")
+    assert options.placement == {"prefill": {"prefill_nodes": 0.001}, "decode": {"decode_nodes": 0.001}}
+    check_pd_options(prefill, decode, options)
+
+
+def test_wide_ep_pd_example_resolves_dp_attention_x_ep_pools_one_node_each(tmp_path):
+    from flotilla.serve.plan import check_pd_options
+
+    opts, prefill, decode, options = resolve_example("deepseek-v3-pd-wide-ep.yaml", tmp_path)
+    assert opts.pd
+    for config, role in ((prefill, "prefill"), (decode, "decode")):
+        assert config.disaggregation_mode == role and config.device == "cuda"
+        assert (config.tp_size, config.dp_size, config.enable_dp_attention, config.ep_size) == (8, 8, True, 8)
+        assert config.moe_a2a_backend == "deepep"
+        # NOTE: the group is one node's GPUs (STRICT_PACK waits for a whole node).
+        assert config.tp_size <= PRESETS["h200"].device_count
+    assert options.placement_strategy == {"prefill": "STRICT_PACK", "decode": "STRICT_PACK"}
     assert options.placement == {"prefill": {"prefill_nodes": 0.001}, "decode": {"decode_nodes": 0.001}}
     check_pd_options(prefill, decode, options)
 

@@ -45,7 +45,8 @@ def _engine_exposition() -> str:
     exist only once used: a finished reason, a DP rank's count)."""
     metrics = EngineMetrics("replica-0", "decode")
     metrics.record_finished("stop")
-    metrics.enable_elastic_ep(lambda: 2, lambda: [3, 1])
+    metrics.enable_elastic_ep(lambda: 2)
+    metrics.enable_dp_rank_requests(lambda: [3, 1])
     return metrics.exposition()
 
 

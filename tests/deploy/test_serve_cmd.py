@@ -212,3 +212,47 @@ def test_what_an_elastic_deployment_cannot_do_exits_2(moe_dir, capsys):
     assert run_serve(["--model", moe_dir, *ELASTIC_FLAGS, "--node-rank", "1"]) == 2
     # NOTE: refused by the runtime-support table, before anything is resolved.
     assert "--node-rank 1 is not supported by flotilla's runtime: flotilla places ranks through Ray" in capsys.readouterr().err
+
+
+# -- wide-EP PD pools -------------------------------------------------------------------------
+
+
+def test_each_pd_pool_takes_its_own_dp_attention_and_ep_sizes(moe_dir):
+    """--prefill-dp/--prefill-ep beside --prefill-tp: the prefill pool DP attention 2 x EP 2,
+    the decode pool plain TP 2 (heterogeneous pools); each resolves for its role."""
+    opts, given = parse_serve_args(
+        ["--model", moe_dir, "--disaggregation-mode", "pd", "--prefill-tp", "2", "--prefill-dp", "2",
+         "--prefill-ep", "2", "--decode-tp", "2", "--max-total-tokens", "2048"]
+    )  # fmt: skip
+    assert (opts.prefill_dp, opts.prefill_ep, opts.decode_dp, opts.decode_ep) == (2, 2, None, None)
+    plan = plan_for(opts, given)
+    prefill, decode = plan.config, plan.decode_config
+    assert (prefill.tp_size, prefill.dp_size, prefill.enable_dp_attention, prefill.ep_size) == (2, 2, True, 2)
+    assert (decode.tp_size, decode.enable_dp_attention, decode.ep_size) == (2, False, 1)
+    check_pd_options(prefill, decode, plan.options)
+    # --decode-dp 1 turns a shared --enable-dp-attention off for that pool alone.
+    prefill_fields, decode_fields = pd_server_fields(
+        {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}, decode_dp=1
+    )  # fmt: skip
+    assert (prefill_fields["dp_size"], prefill_fields["enable_dp_attention"]) == (2, True)
+    assert (decode_fields["dp_size"], decode_fields["enable_dp_attention"]) == (1, False)
+
+
+def test_bad_pool_sizes_and_token_sharded_pools_are_refused(moe_dir):
+    import json
+
+    from flotilla.resolution import ResolvedConfig
+
+    with pytest.raises(ArgumentError, match="--decode-ep 2 needs --disaggregation-mode pd"):
+        parse_serve_args(["--decode-ep", "2"])
+    with pytest.raises(ValueError, match=r"--prefill-dp 3 must divide the prefill pool's TP size 2 \(--prefill-tp"):
+        pd_server_fields({}, prefill_tp=2, prefill_dp=3)
+    with pytest.raises(ValueError, match="--decode-ep must be an integer >= 1 \\(got 0\\)"):
+        pd_server_fields({}, decode_ep=0)
+    opts, given = parse_serve_args(["--model", moe_dir, "--disaggregation-mode", "pd", "--max-total-tokens", "2048"])
+    plan = plan_for(opts, given)
+    # NOTE: DCP ranks hold token shards of every block; the transfer reads heads of whole blocks.
+    with pytest.raises(ValueError, match=r"the decode pool: .*decode context parallelism \(dcp_size=2\)"):
+        values = json.loads(plan.decode_config.to_json())
+        values["config"]["dcp_size"] = 2
+        check_pd_options(plan.config, ResolvedConfig.from_json(json.dumps(values)), plan.options)

@@ -71,7 +71,8 @@ PLAN = ElasticEPPlan(
 
 
 def scaler_for(engine: FakeEngine) -> tuple[ElasticEPScaler, list]:
-    metrics = engine.metrics.enable_elastic_ep(lambda: engine.ep_size, engine.dp_rank_requests)
+    metrics = engine.metrics.enable_elastic_ep(lambda: engine.ep_size)
+    engine.metrics.enable_dp_rank_requests(engine.dp_rank_requests)
     scaler = ElasticEPScaler(engine, PLAN, metrics)
     outcomes: list = []
     scaler.add_outcome_listener(lambda ok, t: outcomes.append(ok))

@@ -280,3 +280,60 @@ def test_grow_adds_empty_dp_ranks_and_routes_new_requests_to_them():
     scheduler.check_invariants()
     with pytest.raises(ValueError, match="new_dp_size must be an integer >= dp_size=2"):
         scheduler.grow(1)
+
+
+# --- KV handoff (PD pools with DP attention) --------------------------------------------------
+
+
+def test_held_blocks_stay_on_the_dp_rank_that_computed_them_until_released():
+    """A prefill pool's held prompt blocks are its DP rank's pool's (held_rank says which);
+    releasing them frees that pool, whatever ranks other requests live on."""
+    scheduler, prompts = make(dp_size=2), {}
+    runner = FakeDPRunner(scheduler)
+    for name in ("a", "b"):
+        prompts[name] = req(name, prompt_len=9, max_tokens=1)
+        scheduler.add(prompts[name])
+    output = scheduler.schedule()
+    scheduler.update(output, runner.execute(output))
+    held = {name: scheduler.hold_blocks(name) for name in ("a", "b")}
+    for name in ("a", "b"):
+        assert scheduler.finish(name, RequestStatus.FINISHED_LENGTH)
+    assert {scheduler.held_rank("a"), scheduler.held_rank("b")} == {0, 1}
+    assert scheduler.held_blocks("a") == held["a"] and scheduler.num_held_blocks == 6
+    rank_a = scheduler.held_rank("a")
+    assert scheduler.schedulers[rank_a].pool.num_used_blocks == 3
+    assert scheduler.release_held_blocks("a") == held["a"]
+    assert scheduler.schedulers[rank_a].pool.num_used_blocks == 0 and scheduler.held_rank("a") is None
+    assert scheduler.release_held_blocks("a") is None and scheduler.num_held_blocks == 3
+    scheduler.check_invariants()
+
+
+def test_prefilled_requests_load_on_their_routed_dp_rank_and_drain_there():
+    """A decode pool admits a prefilled request on the DP rank it was routed to (the block ids
+    are that pool's), runs it there once loaded, and frees a request aborted mid-read on its
+    rank once the read ended."""
+    scheduler = make(dp_size=2)
+    runner = FakeDPRunner(scheduler)
+    scheduler.add(req("busy", prompt_len=5))  # rank 0
+    loaded, aborted = req("loaded", prompt_len=8), req("aborted", prompt_len=8)
+    assert scheduler.add(loaded) == 1
+    blocks, cached = scheduler.admit_prefilled("loaded")
+    assert (len(blocks), cached, scheduler.num_loading) == (2, 0, 1)
+    assert scheduler.schedulers[1].pool.num_used_blocks == 2 and scheduler.schedulers[0].pool.num_used_blocks == 0
+    # The "read": the prompt's tokens land in rank 1's cache slots the blocks name.
+    for position, token in enumerate(loaded.prompt_token_ids):
+        runner.caches[1][runner._slot(loaded, position)] = token
+    scheduler.remote_kv_loaded("loaded", next_token(loaded.prompt_token_ids))
+    assert scheduler.add(aborted) == 0
+    assert scheduler.admit_prefilled("aborted") is None  # rank 0's queue has "busy" ahead of it
+    while scheduler.get("loaded") is not None:
+        step(scheduler, runner)
+    assert loaded.output_token_ids == reference_outputs(loaded.prompt_token_ids, 4)
+    late = req("late", prompt_len=8)
+    assert scheduler.add(late) == 1
+    scheduler.admit_prefilled("late")
+    assert scheduler.abort("late") and scheduler.is_draining("late")
+    assert scheduler.schedulers[1].pool.num_used_blocks == 2
+    assert scheduler.release_draining("late") and not scheduler.release_draining("late")
+    assert scheduler.schedulers[1].pool.num_used_blocks == 0
+    scheduler.check_invariants()

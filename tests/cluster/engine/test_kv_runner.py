@@ -367,18 +367,25 @@ def test_a_dead_rank_breaks_the_group(ray_cluster, gqa):
 
 def test_kv_attach_refuses_layouts_it_cannot_serve(gqa, tmp_path):
     with pytest.raises(NotImplementedError, match="dcp_size=2"):
-        check_kv_attachable(dcp_size=2, attn_dp_size=1)
-    with pytest.raises(NotImplementedError, match="DP attention.*dp_size=2"):
-        check_kv_attachable(dcp_size=1, attn_dp_size=2)
+        check_kv_attachable(dcp_size=2)
     with pytest.raises(NotImplementedError, match="attn_cp_size=2"):
-        check_kv_attachable(dcp_size=1, attn_dp_size=1, attn_cp_size=2)
+        check_kv_attachable(dcp_size=1, attn_cp_size=2)
+    check_kv_attachable(dcp_size=1)  # DP attention is served: nothing to refuse
     factory = KVEndpointFactory("nixl", f"refused-{uuid.uuid4().hex[:8]}")
 
     source = resolve_model_source(gqa[0])
-    dp_runner = ModelRunner(resolved(source), source, pack_weights=False, parallel=ParallelLayout(dp_size=2))
-    with pytest.raises(NotImplementedError, match="DP attention"):
-        dp_runner.kv.attach(factory)
-    assert not dp_runner.kv.attached
+    # The rank of DP rank 1 (of 2) attaches, is named by its place in the engine group, and a
+    # read into DP rank 0's pool moves nothing on it (DP rank 0's ranks read those blocks).
+    dp_runner = ModelRunner(resolved(source), source, pack_weights=False, parallel=ParallelLayout(dp_size=2, dp_rank=1))
+    dp_runner.kv.attach(factory)
+    try:
+        assert (dp_runner.kv.rank, dp_runner.kv.dp_rank) == (1, 1)
+        assert dp_runner.kv.dp_peer(1) == (factory.name, dp_runner.kv.metadata())
+        assert dp_runner.kv.start_read("nobody", [0], [0], READ_TIMEOUT_S, dp_rank=0).result(timeout=5) == 0
+        with pytest.raises(ValueError, match="serves DP rank 1, not dp_rank=0"):
+            dp_runner.kv.dp_peer(0)
+    finally:
+        dp_runner.kv.detach()
 
     save_tiny_deepseek_v2(tmp_path)
     source = resolve_model_source(str(tmp_path))
