@@ -1,8 +1,9 @@
 """``flotilla serve``: the OpenAI-compatible endpoint on a Ray cluster.
 
     flotilla serve [--config FILE] [--model M] [server flags, SGLang spelling]...
-                   [--router least-loaded|prefix-affinity] [--num-replicas N]
-                   [--replica-num-cpus C] [--stream-batch-ms MS] [--address ADDR] [--non-blocking]
+                   [--router cache-aware|least-loaded|prefix-affinity|round-robin] [--num-replicas N]
+                   [--num-ingress-replicas N] [--replica-num-cpus C] [--stream-batch-ms MS]
+                   [--address ADDR] [--non-blocking]
                    [--max-prompts-per-request N] [--request-body-timeout-s S] [--max-header-bytes B]
                    [--http-keep-alive-timeout-s S] [--http-request-timeout-s S]
                    [--placement-strategy PACK|STRICT_PACK|SPREAD|STRICT_SPREAD]
@@ -25,7 +26,8 @@ is resolved once, here, then:
   machine) joins a running cluster, and the platform is probed on a worker node; without
   one a local cluster starts on loopback and ends with this command. Under
   ``ray job submit -- flotilla serve ...`` the job sets ``RAY_ADDRESS``.
-- Serve's HTTP proxy listens on ``--host``:``--port``; the application (ingress, router,
+- Serve's HTTP proxy listens on ``--host``:``--port``; the application
+  (``--num-ingress-replicas`` ingress replicas, 2 by default, each with its router;
   ``--num-replicas`` engine replicas) is deployed as ``flotilla`` and this command prints
   the URL and a curl line once ``/health`` answers.
 - ``--disaggregation-mode pd`` serves with two engine pools (see :mod:`flotilla.serve.pd`):
@@ -123,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument(
         "--num-replicas", type=int, default=None, help="engine replicas (default: the resolved dp_size, else 1)"
     )
+    own.add_argument(
+        "--num-ingress-replicas", type=int, default=None,
+        help="replicas of the OpenAI ingress (tokenizing, templates, SSE; stateless; default 2)",
+    )  # fmt: skip
     own.add_argument(
         "--replica-num-cpus", type=float, default=None, help="CPUs each engine replica reserves (default 0.5)"
     )
@@ -336,6 +342,8 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
     reject_unknown(unknown, server_flag_names() + own_flags)
     if opts.num_replicas is not None and opts.num_replicas < 1:
         raise ArgumentError(f"--num-replicas must be at least 1, got {opts.num_replicas}")
+    if opts.num_ingress_replicas is not None and opts.num_ingress_replicas < 1:
+        raise ArgumentError(f"--num-ingress-replicas must be >= 1, got {opts.num_ingress_replicas}")
     if opts.replica_num_cpus is not None and opts.replica_num_cpus < 0:
         raise ArgumentError(f"--replica-num-cpus must not be negative, got {opts.replica_num_cpus}")
     if opts.stream_batch_ms is not None and not 0 <= opts.stream_batch_ms <= MAX_STREAM_BATCH_MS:
@@ -386,6 +394,7 @@ def plan_for(opts: argparse.Namespace, given: dict[str, Any], platform: Any = No
         router=opts.router,
         num_replicas=opts.num_replicas,
         replica_num_cpus=opts.replica_num_cpus,
+        num_ingress_replicas=opts.num_ingress_replicas,
         stream_batch_ms=opts.stream_batch_ms,
         prefill_replicas=opts.prefill_replicas,
         decode_replicas=opts.decode_replicas,

@@ -51,7 +51,7 @@ from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale
 from flotilla.serve.handles import call, engine_error, stream_chunks
 from flotilla.serve.ingress import configure_access_log, create_app
 from flotilla.serve.loopback import use_loopback_only
-from flotilla.serve.metrics import collect_metrics_text
+from flotilla.serve.metrics import collect_metrics_text, push_metrics_forever
 from flotilla.serve.pd import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, PDEngineClient
 from flotilla.serve.plan import ServePlan, check_elastic_options, check_pd_options, plan_serving, ranks_in_replica
 from flotilla.serve.request_log import configure_request_log
@@ -94,7 +94,7 @@ HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 5.0
 # build() arguments that are serving options, not server fields.
 OPTION_ARGS = (
-    "router", "num_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement",
+    "router", "num_replicas", "num_ingress_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement",
     "placement_strategy", "max_prompts_per_request", "request_body_timeout_s", "max_header_bytes",
 )  # fmt: skip
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
@@ -206,9 +206,38 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self):
         # NOTE: Serve's proxy echoes X-Request-Id itself.
-        return create_app(
-            self._client, self._tokenizer, self._options, self._config, echo_request_id=False, max_model_len=self._max_model_len
-        )
+        ingress_id = _ingress_replica_id()
+        app = create_app(
+            self._client, self._tokenizer, self._options, self._config, echo_request_id=False,
+            max_model_len=self._max_model_len, ingress_id=ingress_id,
+        )  # fmt: skip
+        # NOTE: every ingress replica's own series reach the others' /metrics through the hub.
+        self._push_task = _start_pushing(f"ingress-{ingress_id}", app.state.metrics_exposition)
+        return app
+
+    def __del__(self) -> None:
+        task = getattr(self, "_push_task", None)
+        if task is not None:
+            task.cancel()
+
+
+def _ingress_replica_id() -> str:
+    """This ingress replica's Serve id (its ``ingress`` metrics label)."""
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # noqa: BLE001 - outside a Serve replica (tests building the class directly)
+        return "local"
+
+
+def _start_pushing(hub_key: str, exposition) -> asyncio.Task | None:
+    """Push ``exposition()`` to the metrics hub under ``hub_key`` from this replica's event
+    loop (None, and a warning, when there is no running loop)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        logger.warning("%s: no running event loop; its metrics reach only its own /metrics", hub_key)
+        return None
+    return loop.create_task(push_metrics_forever(hub_key, exposition))
 
 
 # -- the application -----------------------------------------------------------------------
@@ -270,7 +299,7 @@ def engine_deployment_options(
         ray_actor_options=actor,
         request_router_config=RequestRouterConfig(
             request_router_class=router_class_path(router),
-            request_router_kwargs=router_kwargs(router, config),
+            request_router_kwargs=router_kwargs(router, config, pool),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
         ),
@@ -298,7 +327,7 @@ def cpus_needed(plan: ServePlan) -> float:
         engines = pool(plan.config, "colocated", options.num_replicas)
         if options.elastic_plan is not None:
             engines += (options.elastic_plan.max_ep_size - options.elastic_plan.initial_size) * CPU_BUNDLE_SHARE
-    return engines + INGRESS_NUM_CPUS
+    return engines + INGRESS_NUM_CPUS * options.num_ingress_replicas
 
 
 def total_engine_replicas(options: ServeOptions) -> int:
@@ -309,13 +338,14 @@ def total_engine_replicas(options: ServeOptions) -> int:
 
 
 def ingress_deployment_options(config: ResolvedConfig, options: ServeOptions) -> dict[str, Any]:
-    """``Deployment.options`` of the ingress: room for every request the engine pool
-    accepts; beyond that the proxy answers 429 itself."""
+    """``Deployment.options`` of the ingress: ``options.num_ingress_replicas`` replicas, each
+    with room for every request the engine pool accepts (the engines' own bounds answer 429
+    first); beyond that the proxy answers 429 itself."""
     serving = options.decode_replicas if options.disaggregation_mode == "pd" else options.num_replicas
     pool = engine_capacity(config, options) * serving + ONGOING_HEADROOM
     return dict(
         name=INGRESS_DEPLOYMENT,
-        num_replicas=1,
+        num_replicas=options.num_ingress_replicas,
         max_ongoing_requests=pool,
         max_queued_requests=pool,
         backpressure_config={"status_code": 429, "retry_after_s": 1},
@@ -533,6 +563,7 @@ def build(args: dict[str, Any]) -> Application:
         pool_sizes={name: opt(name, int) for name in POOL_SIZE_ARGS},
         router=str(option_args.get("router", "cache-aware")),
         num_replicas=opt("num_replicas", int),
+        num_ingress_replicas=opt("num_ingress_replicas", int),
         replica_num_cpus=opt("replica_num_cpus", float),
         stream_batch_ms=opt("stream_batch_ms", float),
         max_body_bytes=opt("max_body_bytes", int),

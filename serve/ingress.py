@@ -129,6 +129,7 @@ def create_app(
     *,
     echo_request_id: bool = True,
     max_model_len: int | None = None,
+    ingress_id: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible FastAPI app over ``engine``.
 
@@ -140,11 +141,15 @@ def create_app(
         echo_request_id: add ``X-Request-Id`` to responses (off under Serve, whose proxy adds it).
         max_model_len: the longest sequence the engines take, for ``/v1/models`` (default: the
             config's ``context_length``).
+        ingress_id: this ingress replica's id when there are several (Serve): its HTTP series
+            carry it as the ``ingress`` label, so ``/metrics`` can merge every replica's
+            (``app.state.metrics_exposition()`` is its own text, for the metrics hub).
     """
-    ingress = _Ingress(engine, tokenizer, options, config, max_model_len)
+    ingress = _Ingress(engine, tokenizer, options, config, max_model_len, ingress_id)
     # NOTE: no redirects for a trailing slash: the Location would echo the client's Host header.
     app = FastAPI(title="flotilla", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(_Observer, ingress=ingress, echo_request_id=echo_request_id)
+    app.state.metrics_exposition = ingress.own_metrics
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -370,7 +375,15 @@ def admin_error(exc: BaseException) -> APIError:
 class _Ingress:
     """The app's state and request handlers (what :func:`create_app` closes over)."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, options: ServeOptions, config: Any, max_model_len: int | None):
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        options: ServeOptions,
+        config: Any,
+        max_model_len: int | None,
+        ingress_id: str | None = None,
+    ):
         self.engine, self.tokenizer, self.options, self.config = engine, tokenizer, options, config
         self.max_model_len = max_model_len if max_model_len is not None else getattr(config, "context_length", None)
         self.served_model = options.served_model_name
@@ -387,16 +400,18 @@ class _Ingress:
         name = getattr(config, "reasoning_parser", None) or None
         self.reasoning_parser = reasoning_parser_for(name) if name is not None else None
         self.registry = CollectorRegistry(auto_describe=True)
+        # NOTE: with several ingress replicas each one's series carry its id (merged in /metrics).
+        self._ingress_label = {} if ingress_id is None else {"ingress": str(ingress_id)}
         self.http_requests = Counter(
             "flotilla:http_requests",
             "HTTP requests by route and status.",
-            ["method", "path", "status"],
+            ["method", "path", "status", *self._ingress_label],
             registry=self.registry,
         )
         self.http_latency = Histogram(
             "flotilla:http_request_duration_seconds",
             "Seconds from a request's arrival to its last byte.",
-            ["method", "path"],
+            ["method", "path", *self._ingress_label],
             registry=self.registry,
         )
 
@@ -517,10 +532,22 @@ class _Ingress:
             healthy = False
         return Response(status_code=200) if healthy else error_response(unavailable("the engine is not healthy"))
 
+    def own_metrics(self) -> str:
+        """This ingress replica's own series (Prometheus text)."""
+        return generate_latest(self.registry).decode()
+
+    def observe_http(self, method: str, route: str, status: int, latency: float) -> None:
+        """Count one answered request and its latency."""
+        self.http_requests.labels(method, route, str(status), *self._ingress_label.values()).inc()
+        self.http_latency.labels(method, route, *self._ingress_label.values()).observe(latency)
+
     async def metrics(self) -> Response:
-        own = generate_latest(self.registry).decode()
+        """``GET /metrics``: the engine replicas' and the other ingress replicas' series (from
+        the metrics hub, pushed about once a second) merged with this replica's own, read now
+        (they win over this replica's pushed copy)."""
+        own = self.own_metrics()
         try:
-            text = merge_expositions([own, await self.engine.metrics_text()])
+            text = merge_expositions([await self.engine.metrics_text(), own])
         except Exception as exc:  # noqa: BLE001 - the ingress's own metrics are still worth serving
             logger.warning("engine metrics unavailable: %s", exc)
             text = own
@@ -777,8 +804,7 @@ class _Observer:
     def _observe(self, scope, path: str, status: int, latency: float, state: dict) -> None:
         route = path if path in _ROUTES else next((label for prefix, label in _ROUTE_PREFIXES if path.startswith(prefix)), "other")
         method = scope.get("method", "")
-        self.ingress.http_requests.labels(method, route, str(status)).inc()
-        self.ingress.http_latency.labels(method, route).observe(latency)
+        self.ingress.observe_http(method, route, status, latency)
         record = {
             "request_id": state.get("request_id"),
             "method": method,

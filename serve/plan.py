@@ -130,6 +130,7 @@ def serve_options(
     router: str = "cache-aware",
     num_replicas: int | None = None,
     replica_num_cpus: float | None = None,
+    num_ingress_replicas: int | None = None,
     max_body_bytes: int | None = None,
     stream_batch_ms: float | None = None,
     disaggregation_mode: str = "null",
@@ -149,7 +150,8 @@ def serve_options(
 ) -> ServeOptions:
     """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
     from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
-    replica when DP attention keeps the DP ranks inside one engine). The limits on hostile
+    replica when DP attention keeps the DP ranks inside one engine); ``num_ingress_replicas``
+    to :class:`ServeOptions`' (2). The limits on hostile
     clients (``max_prompts_per_request``, ``request_body_timeout_s``, ``max_header_bytes``,
     Serve's ``http_keep_alive_timeout_s`` and ``http_request_timeout_s``) default to
     :class:`ServeOptions`' and are checked by :func:`check_client_limits`. PD mode
@@ -179,6 +181,7 @@ def serve_options(
         stream_batch_ms=float(defaults.stream_batch_ms if stream_batch_ms is None else stream_batch_ms),
         api_key=config.api_key or None,
         replica_num_cpus=float(replica_num_cpus if replica_num_cpus is not None else defaults.replica_num_cpus),
+        num_ingress_replicas=defaults.num_ingress_replicas if num_ingress_replicas is None else num_ingress_replicas,
         disaggregation_mode=disaggregation_mode,
         prefill_replicas=int(prefill_replicas or defaults.prefill_replicas),
         decode_replicas=int(decode_replicas or defaults.decode_replicas),

@@ -10,8 +10,8 @@ that replica was sent before: the blocks it likely still holds in its prefix cac
 It is approximate on purpose (SGLang's gateway and Ray Serve LLM's prefix-aware router are
 too): the tree records what the router sent, not what the engine kept, so it can believe in a
 block the engine has evicted; each replica's share of the tree is bounded (``capacity_blocks``,
-least recently routed dropped first) to stay near what a KV cache can hold. Several routers
-(one per ingress replica) each keep their own tree.
+least recently routed dropped first) to stay near what a KV cache can hold. The routers of
+several ingress replicas share one tree per pool (:mod:`~flotilla.serve.shared_prefix_tree`).
 
 NOTE (invariant): a replica holding a node holds every ancestor of it. Insertion touches the
 path from the leaf up, so an ancestor is always at least as recently used as its descendants

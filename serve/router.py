@@ -25,16 +25,19 @@ of a prefill replica's KV blocks, which only that replica holds) goes to the pin
 replica alone while it is a candidate; when it is not (it died), the call is ranked as
 usual and the receiving replica sees that the pin is not its own.
 
-The cache-aware policy (:func:`rank_cache_aware`, SGLang gateway's ``cache_aware`` and Ray
-Serve LLM's prefix-aware router do the same) also reads a :class:`~flotilla.serve.prefix_tree.
-PrefixTree` of the prompts the router sent to each replica: a prompt goes where most of its
+The cache-aware policy (:func:`~flotilla.serve.routing_policy.rank_cache_aware`, SGLang
+gateway's ``cache_aware`` and Ray Serve LLM's prefix-aware router do the same) also reads a
+:class:`~flotilla.serve.prefix_tree.PrefixTree` of the prompts the pool's routers sent to each
+replica, one per pool shared by every ingress replica's router
+(:mod:`~flotilla.serve.shared_prefix_tree`): a prompt goes where most of its
 leading KV blocks were sent before, so requests behind a shared system prompt follow it even
 when their first block is the same as other prompts'; a prompt no replica holds enough of goes
 to the replica holding the least, so distinct prefixes spread over the replicas; load
 overrides both (:func:`is_overloaded`).
 
-The policy itself is plain functions over :class:`Candidate` values, unit-tested without
-Ray; the ``RequestRouter`` subclasses only translate Serve's objects into candidates.
+The policy itself is plain functions over ``Candidate`` values
+(:mod:`~flotilla.serve.routing_policy`), unit-tested without Ray; the ``RequestRouter``
+subclasses here only translate Serve's objects into candidates.
 Deployments name a router by import path (``ROUTER_CLASSES``).
 """
 
@@ -42,33 +45,32 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from flotilla.serve.prefix_tree import DEFAULT_CAPACITY_BLOCKS, PrefixTree
+from flotilla.serve.prefix_tree import DEFAULT_CAPACITY_BLOCKS
+from flotilla.serve.shared_prefix_tree import SharedPrefixTree
 from flotilla.cluster.engine.limits import DEFAULT_BLOCK_SIZE as DEFAULT_PREFIX_BLOCK
 from flotilla.cluster.engine.limits import block_size_for
-from flotilla.serve.types import ROUTER_CLASSES, GenerateRequest, ReplicaLoad, ReplicaPin
+from flotilla.serve.routing_policy import (
+    CACHE_MATCH_THRESHOLD,
+    OVERLOAD_FACTOR,
+    OVERLOAD_SLACK,
+    Candidate,
+    load_from_stats,
+    rank_least_loaded,
+    rank_prefix_affine,
+)
+from flotilla.serve.types import ROUTER_CLASSES, GenerateRequest, ReplicaPin
 
-# How far the replica holding a prompt's prefix may be busier than the least-loaded
-# replica before prefix affinity gives way to load: it may hold up to
-# max(least + OVERLOAD_SLACK, least * OVERLOAD_FACTOR) requests. The absolute slack keeps
-# affinity at light load (a few extra requests cost less than recomputing a long prefix);
-# the factor keeps it proportional at heavy load.
-OVERLOAD_SLACK = 4
-OVERLOAD_FACTOR = 2.0
 # Prefix keys the prefix-affinity router remembers (where it sent each), newest kept.
 PREFIX_MEMORY_SIZE = 8192
-# A prompt counts as held by a replica when the replica was sent at least this share of the
-# prompt's full KV blocks before (SGLang gateway's cache_threshold default). Below it the
-# cache-aware router sends the prompt to the replica holding the fewest blocks, so distinct
-# prefixes behind one shared preamble spread over the replicas instead of piling up.
-CACHE_MATCH_THRESHOLD = 0.5
 # An assignment Serve never confirmed (the request was cancelled before it was sent)
 # stops counting as load after this long.
 UNCONFIRMED_TTL_S = 5.0
+# Requests whose prompt blocks the cache-aware router keeps between ranking and recording.
+BLOCKS_CACHE_SIZE = 1024
 
 
 
@@ -80,141 +82,22 @@ def router_class_path(name: str) -> str:
         raise ValueError(f"router={name!r} is not a router; choose from {', '.join(ROUTER_CLASSES)}") from None
 
 
-def router_kwargs(name: str, config: Any) -> dict[str, Any]:
+def router_kwargs(name: str, config: Any, pool: str | None = None) -> dict[str, Any]:
     """The ``request_router_kwargs`` of router ``name`` for a pool resolved as ``config``: the
     cache-aware router's tree cuts prompts into the engines' KV blocks and, when
-    ``--max-total-tokens`` bounds the KV pool, remembers at most that many blocks per replica."""
+    ``--max-total-tokens`` bounds the KV pool, remembers at most that many blocks per replica;
+    with ``pool`` named, the routers of every ingress replica share the pool's tree (a named
+    actor, :mod:`~flotilla.serve.shared_prefix_tree`)."""
     if name != "cache-aware":
         return {}
     block = block_size_for(config)
     kwargs: dict[str, Any] = {"block_size": block}
+    if pool is not None:
+        # NOTE: one tree per pool and config, shared by every ingress replica's router.
+        kwargs["tree_name"] = f"flotilla-prefix-tree-{pool}-{config.digest[:16]}"
     if getattr(config, "max_total_tokens", None):
         kwargs["capacity_blocks"] = max(1, int(config.max_total_tokens) // block)
     return kwargs
-
-
-# -- the policy (pure) -------------------------------------------------------------
-
-
-def load_from_stats(stats: Mapping[str, Any] | None) -> ReplicaLoad:
-    """A replica's reported load from its routing stats dict; a replica that has not
-    reported yet (``{}`` or None) counts as empty. Unknown keys are ignored."""
-    if not stats:
-        return ReplicaLoad()
-    return ReplicaLoad(
-        running=int(stats.get("running", 0) or 0),
-        waiting=int(stats.get("waiting", 0) or 0),
-        kv_usage=float(stats.get("kv_usage", 0.0) or 0.0),
-        max_queued=int(stats.get("max_queued", 0) or 0),
-        prefix_keys=tuple(stats.get("prefix_keys", ()) or ()),
-    )
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """What the policy knows about one replica.
-
-    Attributes:
-        replica_id: the replica (any hashable id).
-        load: its last reported load.
-        in_flight: requests in flight to it as the router counts them now (Serve's
-            queue-length cache and the router's own assignments), or None when the router
-            has no fresh count.
-    """
-
-    replica_id: Hashable
-    load: ReplicaLoad = ReplicaLoad()
-    in_flight: int | None = None
-
-    @property
-    def effective_load(self) -> int:
-        """Requests it holds: the fresh in-flight count when there is one, else the
-        reported running + waiting.
-
-        NOTE: the report lags by up to a stats period plus Serve's broadcast; it goes
-        stale both ways (a burst the replica has not reported yet, requests that finished
-        since), so a fresh count wins whenever the router has one.
-        """
-        return self.load.load if self.in_flight is None else self.in_flight
-
-
-def _load_key(c: Candidate) -> tuple:
-    return (c.effective_load, c.load.kv_usage, c.load.load)
-
-
-def rank_least_loaded(candidates: Sequence[Candidate]) -> list[Hashable]:
-    """Replica ids, least loaded first: fewest requests held (:attr:`Candidate.effective_load`),
-    ties by reported KV usage, then by reported load. Full ties keep the input order."""
-    return [c.replica_id for c in sorted(candidates, key=_load_key)]
-
-
-def is_overloaded(
-    holder: Candidate,
-    least_load: int,
-    slack: int = OVERLOAD_SLACK,
-    factor: float = OVERLOAD_FACTOR,
-) -> bool:
-    """Whether ``holder`` is too busy to keep a prefix's requests: it holds more than
-    ``max(least_load + slack, least_load * factor)`` requests."""
-    return holder.effective_load > max(least_load + slack, least_load * factor)
-
-
-def rank_prefix_affine(
-    candidates: Sequence[Candidate],
-    prefix_key: int | None,
-    remembered: Hashable | None = None,
-    slack: int = OVERLOAD_SLACK,
-    factor: float = OVERLOAD_FACTOR,
-) -> list[Hashable]:
-    """Replica ids, best first, for a request whose prompt starts with ``prefix_key``.
-
-    The replicas holding the prefix are those whose reported ``prefix_keys`` contain it,
-    plus ``remembered`` (where the router last sent it). The least loaded of them goes
-    first unless it :func:`is_overloaded` against the least-loaded replica overall; the
-    rest follow in least-loaded order. Without a key or a holder: least-loaded order.
-    """
-    order = rank_least_loaded(candidates)
-    if prefix_key is None or not candidates:
-        return order
-    holders = [c for c in candidates if c.replica_id == remembered or prefix_key in c.load.prefix_keys]
-    if not holders:
-        return order
-    best = min(holders, key=_load_key)
-    least = min(c.effective_load for c in candidates)
-    if is_overloaded(best, least, slack, factor):
-        return order
-    return [best.replica_id] + [r for r in order if r != best.replica_id]
-
-
-def rank_cache_aware(
-    candidates: Sequence[Candidate],
-    matched: Mapping[Hashable, int],
-    total_blocks: int,
-    tree_sizes: Mapping[Hashable, int],
-    threshold: float = CACHE_MATCH_THRESHOLD,
-    slack: int = OVERLOAD_SLACK,
-    factor: float = OVERLOAD_FACTOR,
-) -> list[Hashable]:
-    """Replica ids, best first, for a prompt of ``total_blocks`` full KV blocks of which each
-    replica holds its leading ``matched[replica_id]`` (see :meth:`PrefixTree.match`).
-
-    When the best match covers at least ``threshold`` of the blocks, the replica with the
-    longest match goes first (ties: least loaded); otherwise the replica holding the fewest
-    blocks (``tree_sizes``; ties: least loaded). Either choice gives way to least-loaded order
-    when it :func:`is_overloaded` against the least-loaded replica; the rest follow in
-    least-loaded order. A prompt without a full block: least-loaded order.
-    """
-    order = rank_least_loaded(candidates)
-    if total_blocks < 1 or not candidates:
-        return order
-    best = max(matched.get(c.replica_id, 0) for c in candidates)
-    if best / total_blocks >= threshold:
-        choice = min((c for c in candidates if matched.get(c.replica_id, 0) == best), key=_load_key)
-    else:
-        choice = min(candidates, key=lambda c: (tree_sizes.get(c.replica_id, 0), *_load_key(c)))
-    if is_overloaded(choice, min(c.effective_load for c in candidates), slack, factor):
-        return order
-    return [choice.replica_id] + [r for r in order if r != choice.replica_id]
 
 
 class PrefixMemory:
@@ -344,6 +227,10 @@ class LeastLoadedRouter(RequestRouter):
     def _rank(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
         return rank_least_loaded(candidates)
 
+    async def _order(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
+        """The ranking of one request (a policy that must ask elsewhere first awaits here)."""
+        return self._rank(candidates, request)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -358,7 +245,7 @@ class LeastLoadedRouter(RequestRouter):
             # Serve waits for it rather than sending the call elsewhere.
             order = [pinned]
         else:
-            order = self._rank([self._candidate(r) for r in candidate_replicas], generate_request_of(pending_request))
+            order = await self._order([self._candidate(r) for r in candidate_replicas], generate_request_of(pending_request))
         if pending_request is not None and order:
             self._assigned(pending_request, order[0], confirmed=False)
             # NOTE: every candidate is ranked already, so when all are at
@@ -424,11 +311,15 @@ class CacheAwareRouter(LeastLoadedRouter):
     replica holds enough of it, to the replica holding the fewest; load overrides both (see
     :func:`rank_cache_aware`). The default router of every engine pool.
 
+    The tree is the pool's shared one (:mod:`~flotilla.serve.shared_prefix_tree`: every
+    ingress replica's router reads and feeds the same), with this router's own as the fallback.
+
     ``request_router_kwargs``: ``block_size`` (the engines' KV page size; default
     ``DEFAULT_PREFIX_BLOCK``), ``capacity_blocks`` (blocks remembered per replica, least
     recently routed dropped first; ``DEFAULT_CAPACITY_BLOCKS``), ``threshold``
     (``CACHE_MATCH_THRESHOLD``), ``slack`` (``OVERLOAD_SLACK``), ``factor``
-    (``OVERLOAD_FACTOR``).
+    (``OVERLOAD_FACTOR``), ``tree_name`` (the shared tree actor's name; None: this router's
+    tree alone).
     """
 
     def initialize_state(
@@ -438,31 +329,44 @@ class CacheAwareRouter(LeastLoadedRouter):
         threshold: float = CACHE_MATCH_THRESHOLD,
         slack: int = OVERLOAD_SLACK,
         factor: float = OVERLOAD_FACTOR,
+        tree_name: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().initialize_state(**kwargs)
         if not 0.0 < float(threshold) <= 1.0:
             raise ValueError(f"{type(self).__name__}: threshold={threshold!r} must be in (0, 1]")
-        self.tree = PrefixTree(int(block_size), int(capacity_blocks))
+        self.tree = SharedPrefixTree(tree_name, int(block_size), int(capacity_blocks))
         self.threshold = float(threshold)
         self.slack = int(slack)
         self.factor = float(factor)
+        # NOTE: a prompt's blocks are cut once per request (ranking and recording reuse them).
+        self._blocks: OrderedDict[str, tuple[int, list[tuple[int, ...]]]] = OrderedDict()
 
-    def _rank(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
+    def _blocks_of(self, request: GenerateRequest) -> list[tuple[int, ...]]:
+        cached = self._blocks.get(request.request_id)
+        if cached is not None and cached[0] == len(request.prompt_token_ids):
+            return cached[1]
+        blocks = self.tree.blocks(request.prompt_token_ids)
+        self._blocks[request.request_id] = (len(request.prompt_token_ids), blocks)
+        while len(self._blocks) > BLOCKS_CACHE_SIZE:
+            self._blocks.popitem(last=False)
+        return blocks
+
+    async def _order(self, candidates: list[Candidate], request: GenerateRequest | None) -> list[Hashable]:
         if request is None:
             return rank_least_loaded(candidates)
-        blocks = self.tree.blocks(request.prompt_token_ids)
-        sizes = {c.replica_id: self.tree.size(c.replica_id) for c in candidates}
-        matched = self.tree.match(blocks)
-        return rank_cache_aware(candidates, matched, len(blocks), sizes, self.threshold, self.slack, self.factor)
+        # NOTE: the tree records the choice as it ranks (not only once Serve confirms where the
+        # request went): a burst is ranked before its first request is sent, and its later
+        # requests must see the earlier, whichever ingress replica routes them.
+        policy = {"threshold": self.threshold, "slack": self.slack, "factor": self.factor}
+        return await self.tree.rank(self._blocks_of(request), candidates, policy)
 
-    def _assigned(self, pending: PendingRequest, replica_id: Hashable, confirmed: bool) -> None:
-        super()._assigned(pending, replica_id, confirmed)
-        request = generate_request_of(pending)
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        request = generate_request_of(pending_request)
         if request is not None:
-            # NOTE: recorded at ranking too (not only once Serve confirms): a burst is ranked
-            # before its first request is sent, and its later requests must see the earlier.
-            self.tree.insert(self.tree.blocks(request.prompt_token_ids), replica_id)
+            # NOTE: where it went (the ranked first choice, unless that replica had no room).
+            self.tree.insert(self._blocks_of(request), replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

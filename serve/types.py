@@ -329,6 +329,11 @@ class ServeOptions:
         served_model_name: the name ``/v1/models`` reports and requests must use (default:
             ``--served-model-name``, else the model path's name).
         num_replicas: engine replicas (default: the resolved ``dp_size`` without DP attention).
+        num_ingress_replicas: replicas of the ``ingress`` deployment (``--num-ingress-replicas``;
+            default 2, as Ray Serve LLM's). Each tokenizes, applies templates and streams SSE
+            for the requests Serve's proxy hands it; they share no state but their soft routing
+            hints (each cache-aware router learns from its own traffic), and ``/metrics`` on
+            any of them merges every ingress replica's and engine replica's series.
         router: the engine pools' router (``--router``): ``"cache-aware"`` (default),
             ``"least-loaded"``, ``"prefix-affinity"`` or ``"round-robin"``
             (:data:`~flotilla.serve.router.ROUTER_CLASSES`); the prefill pool is always cache-aware.
@@ -399,6 +404,7 @@ class ServeOptions:
     http_request_timeout_s: float | None = None
     api_key: str | None = None
     replica_num_cpus: float = 0.5
+    num_ingress_replicas: int = 2
     disaggregation_mode: str = "null"
     prefill_replicas: int = 1
     decode_replicas: int = 1
@@ -419,6 +425,9 @@ class ServeOptions:
                 f"(got placement_strategy={self.placement_strategy!r})"
             )
         pool_placement_strategies(self.placement_strategy)
+        count = self.num_ingress_replicas
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"num_ingress_replicas must be an integer >= 1 (got num_ingress_replicas={count!r})")
         if not 0 <= self.stream_batch_ms <= MAX_STREAM_BATCH_MS:
             raise ValueError(f"stream_batch_ms must be in [0, {MAX_STREAM_BATCH_MS:g}] ms (got stream_batch_ms={self.stream_batch_ms!r})")
 

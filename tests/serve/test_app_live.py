@@ -152,6 +152,28 @@ def test_the_cache_aware_router_spreads_system_prompts_and_follows_each(app, cli
     whole = 41 * block
     assert [cached(system_a, 200), cached(system_a, 300), cached(system_b, 200), cached(system_b, 300)] == [whole] * 4
 
+def test_two_ingress_replicas_run_and_each_pushes_its_metrics(app, client):
+    """The default two ingress replicas run, and each pushes its own series to the metrics hub
+    (the /metrics of either merges them; tests/serve/test_ingress.py checks the merge). Which
+    replica a request reaches is Serve's proxy's choice (it prefers replicas on its own node)."""
+    import ray
+    from ray import serve
+
+    from flotilla.serve.metrics import get_metrics_hub
+
+    assert app.options.num_ingress_replicas == 2
+    ingress = serve.status().applications[APP].deployments["ingress"]
+    assert ingress.replica_states.get("RUNNING") == 2
+    client.completions.create(model="smollm2", prompt="Say hi.", max_tokens=1, temperature=0)
+
+    def pushing() -> list[str]:
+        return [key for key in ray.get(get_metrics_hub().replicas.remote(), timeout=30) if key.startswith("ingress-")]
+
+    assert wait_for(lambda: len(pushing()) >= 2), pushing()
+    series = metrics(app.url)["flotilla:http_requests_total"]
+    assert all(dict(k).get("ingress") for k in series), series
+
+
 def test_client_disconnect_aborts_and_frees_kv(app):
     """A stream the client drops mid-way is aborted: the abort counter moves and KV usage
     returns to 0 long before the 400 requested tokens could have been generated (~20 s at
@@ -232,7 +254,9 @@ def test_served_name_and_options_come_from_the_config(tmp_path):
     assert engine["max_ongoing_requests"] > 3 + 5 and engine["name"] == "engine"
     assert engine["request_router_config"].request_router_class.endswith("CacheAwareRouter")
     # The router's tree cuts prompts into the engines' KV blocks.
-    assert engine["request_router_config"].request_router_kwargs == {"block_size": block_size_for(config)}
+    # NOTE: the pool's tree is shared by every ingress replica's router, named per pool and config.
+    tree = f"flotilla-prefix-tree-colocated-{config.digest[:16]}"
+    assert engine["request_router_config"].request_router_kwargs == {"block_size": block_size_for(config), "tree_name": tree}
     assert ingress_deployment_options(config, options)["max_ongoing_requests"] >= engine["max_ongoing_requests"]
     with pytest.raises(ValueError, match="router='nope'"):
         serve_options(config, model=None, router="nope")

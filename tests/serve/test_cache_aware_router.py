@@ -12,14 +12,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.serve.prefix_tree import PrefixTree, block_keys
-from flotilla.serve.router import (
-    OVERLOAD_SLACK,
-    CacheAwareRouter,
-    Candidate,
-    RoundRobinRouter,
-    rank_cache_aware,
-    router_class_path,
-)
+from flotilla.serve.router import CacheAwareRouter, RoundRobinRouter, router_class_path
+from flotilla.serve.routing_policy import OVERLOAD_SLACK, Candidate, rank_cache_aware
 from flotilla.serve.types import GenerateRequest, ReplicaLoad
 
 from helpers.benchmark_scripts import import_benchmark
@@ -134,7 +128,7 @@ def test_the_serve_router_follows_a_prompt_it_sent_and_spreads_new_ones():
     assert choose("q3", preamble + [10] * 8 + [99, 98]) == first
     # The replica dies: its prompts are forgotten, so they spread again.
     router.on_replica_actor_died(ReplicaID(first, deployment))
-    assert router.tree.size(ReplicaID(first, deployment)) == 0
+    assert router.tree.local.size(ReplicaID(first, deployment)) == 0
 
 
 def test_the_serve_router_refuses_unknown_or_bad_kwargs():

@@ -21,6 +21,7 @@ import pytest
 from flotilla.cluster.engine.llm import LLM
 from flotilla.serve.async_engine import AsyncEngine
 from flotilla.serve.ingress import create_app
+from flotilla.serve.metrics import merge_expositions
 from flotilla.serve.types import (
     CompletionChunk,
     EngineOverloadedError,
@@ -648,5 +649,40 @@ def test_prompts_beyond_max_prompts_per_request_get_400_naming_prompt_before_any
         error = assert_envelope(response, 400, "prompt")
         assert "4 prompts" in error["message"] and "--max-prompts-per-request" in error["message"]
         assert engine.groups == set()
+
+    run(main)
+
+
+def test_metrics_of_several_ingress_replicas_merge_with_each_ones_own_read_fresh():
+    """Two ingress replicas (ids ``i1``, ``i2``): what the hub holds for them (their texts as
+    last pushed) merges with the serving replica's own series, read at the call (they win over
+    its stale pushed copy), each series told apart by its ``ingress`` label."""
+    hub: dict[str, str] = {}
+    TOKEN_IDS = dict(GOOD, prompt=[1, 2, 3])  # NOTE: no tokenizer here
+
+    class HubEngine(StubEngine):
+        async def metrics_text(self):
+            return merge_expositions(hub.values())
+
+    options = ServeOptions(served_model_name=MODEL)
+    apps = {name: create_app(HubEngine("ok"), None, options, default_cpu_config(), ingress_id=name) for name in ("i1", "i2")}
+
+    def served(text: str, ingress: str) -> float:
+        want = f'flotilla:http_requests_total{{ingress="{ingress}",method="POST",path="/v1/completions",status="200"}}'
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(want))
+
+    async def main():
+        for name, count in (("i1", 1), ("i2", 2)):
+            _, api = clients(apps[name])
+            for _ in range(count):
+                await api.completions.create(**TOKEN_IDS)
+            hub[name] = apps[name].state.metrics_exposition()  # the push
+        _, api = clients(apps["i1"])
+        await api.completions.create(**TOKEN_IDS)  # after i1's push: only its own fresh series has it
+        http, _ = clients(apps["i1"])
+        text = (await http.get("/metrics")).text
+        assert (served(text, "i1"), served(text, "i2")) == (2.0, 2.0)
+        types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+        assert len(types) == len(set(types))
 
     run(main)

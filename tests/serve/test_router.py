@@ -9,6 +9,7 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
 from flotilla.cluster.engine.sampling_params import SamplingParams
+from flotilla.serve.routing_policy import is_overloaded
 from flotilla.serve.router import (
     OVERLOAD_SLACK,
     Candidate,
@@ -17,7 +18,6 @@ from flotilla.serve.router import (
     LeastLoadedRouter,
     PrefixAffinityRouter,
     generate_request_of,
-    is_overloaded,
     load_from_stats,
     pinned_replica,
     rank_least_loaded,
