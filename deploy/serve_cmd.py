@@ -9,7 +9,7 @@
                    [--placement-strategy PACK|STRICT_PACK|SPREAD|STRICT_SPREAD]
                    [--disaggregation-mode pd --prefill-replicas N --decode-replicas M
                     [--prefill-tp A] [--decode-tp B] [--prefill-dp D] [--decode-dp D]
-                    [--prefill-ep E] [--decode-ep E] [--kv-transport nixl|ray]
+                    [--prefill-ep E] [--decode-ep E] [--decode-dcp C] [--kv-transport nixl|ray]
                     [--kv-load-failure-policy recompute|fail]
                     [--prefill-placement-strategy S] [--decode-placement-strategy S]]
                    [--elastic-ep-autoscale [--elastic-ep-autoscale-interval S] ...]
@@ -34,8 +34,9 @@ is resolved once, here, then:
   ``--prefill-replicas`` replicas compute prompts, ``--decode-replicas`` replicas decode,
   with the KV cache moved by NIXL (``--kv-transport ray``: the Ray-object fallback). Each
   pool's configuration is resolved once, for its role (``--prefill-tp``/``--decode-tp``
-  set its TP size, ``--prefill-dp``/``--decode-dp`` its DP-attention ranks, and
-  ``--prefill-ep``/``--decode-ep`` its EP size; the pools may differ in each).
+  set its TP size, ``--prefill-dp``/``--decode-dp`` its DP-attention ranks,
+  ``--prefill-ep``/``--decode-ep`` its EP size, and ``--decode-dcp`` the decode pool's decode
+  context parallelism; the pools may differ in each).
   ``--kv-load-failure-policy`` (vLLM's name) says what
   a failed KV load does: ``recompute`` (default) or ``fail``.
 - ``--placement-strategy`` says how every pool's worker groups lay their ranks over the
@@ -204,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         )  # fmt: skip
         pd.add_argument(f"--{pool}-ep", type=int, default=None, help=f"EP size of each {pool} replica (default: --ep-size)")
     pd.add_argument(
+        "--decode-dcp", type=int, default=None,
+        help="decode context parallelism of each decode replica, dividing its attention TP (default: --dcp-size; "
+        "the prefill pool always runs whole blocks)",
+    )  # fmt: skip
+    pd.add_argument(
         "--kv-transport",
         choices=("auto", "nixl", "ray"),
         default="auto",
@@ -249,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The PD pools' parallelism beyond --prefill-tp / --decode-tp (plan_serving's pool_sizes).
-POOL_SIZE_FLAGS = ("prefill_dp", "decode_dp", "prefill_ep", "decode_ep")
+POOL_SIZE_FLAGS = ("prefill_dp", "decode_dp", "prefill_ep", "decode_ep", "decode_dcp")
 PD_ONLY_FLAGS = (
     "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", *POOL_SIZE_FLAGS,
     "prefill_placement_strategy", "decode_placement_strategy",

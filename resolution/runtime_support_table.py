@@ -839,7 +839,7 @@ _DISAGGREGATION = _table(
         "disaggregation_transfer_backend",
         values=("nixl",),
     ),
-    honored("the decode pool keeps a prefix cache (on by default in flotilla's PD)", "disaggregation_decode_enable_radix_cache"),
+    honored("the decode pool keeps a prefix cache (on by default in flotilla's PD, except under decode DCP: chunk cache)", "disaggregation_decode_enable_radix_cache"),
     refused(
         "flotilla's PD pools exchange KV metadata through Ray and move blocks with NIXL; SGLang's bootstrap, "
         "devices, slots, polling and retraction options do not apply: drop the flag",

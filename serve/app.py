@@ -99,7 +99,7 @@ OPTION_ARGS = (
 )  # fmt: skip
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
 # The PD pools' parallelism beyond prefill_tp / decode_tp (plan_serving's pool_sizes).
-POOL_SIZE_ARGS = ("prefill_dp", "decode_dp", "prefill_ep", "decode_ep")
+POOL_SIZE_ARGS = ("prefill_dp", "decode_dp", "prefill_ep", "decode_ep", "decode_dcp")
 PD_OPTION_ARGS = (
     "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", *POOL_SIZE_ARGS, "kv_transport",
     "kv_load_failure_policy",
@@ -530,7 +530,7 @@ def build(args: dict[str, Any]) -> Application:
     ``stream_batch_ms``, ``max_body_bytes``, ``max_prompts_per_request``, ``request_body_timeout_s``,
     ``max_header_bytes``; PD mode: ``disaggregation_mode: pd`` with ``prefill_replicas``,
     ``decode_replicas``, ``prefill_tp``, ``decode_tp``, ``prefill_dp``, ``decode_dp``,
-    ``prefill_ep``, ``decode_ep`` (as the flags of the same names), ``kv_transport``,
+    ``prefill_ep``, ``decode_ep``, ``decode_dcp`` (as the flags of the same names), ``kv_transport``,
     ``kv_load_failure_policy``; elastic EP (``elastic_ep_backend: ray``, ``max_ep_size``):
     ``elastic_ep_autoscale: true`` and its knobs (:data:`AUTOSCALE_ARGS`, as the
     ``flotilla serve`` flags of the same names); ``placement`` (a mapping of ``engine``,

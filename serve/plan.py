@@ -82,8 +82,8 @@ def plan_serving(
     if pd:
         sizes = {k: v for k, v in (pool_sizes or {}).items() if v is not None}
         prefill_fields, decode_fields = pd_server_fields(given, prefill_tp, decode_tp, **sizes)
-        config = resolve_pool(prefill_fields, facts)[0]
         decode_config = resolve_pool(decode_fields, facts)[0]
+        config = resolve_pool(prefill_page_fields(prefill_fields, decode_config), facts)[0]
         serve = serve_options(
             decode_config, model=model, served_model_name_given=given.get("served_model_name"),
             disaggregation_mode="pd", **options,
@@ -318,6 +318,7 @@ POOL_PARALLEL_FLAGS = {
     pool: tuple((f"{pool}_{kind}", field, f"--{pool}-{kind}") for kind, field in (("tp", "tp_size"), ("dp", "dp_size"), ("ep", "ep_size")))
     for pool in ("prefill", "decode")
 }  # fmt: skip
+POOL_PARALLEL_FLAGS["decode"] += (("decode_dcp", "dcp_size", "--decode-dcp"),)
 
 
 def pd_server_fields(
@@ -329,6 +330,7 @@ def pd_server_fields(
     decode_dp: int | None = None,
     prefill_ep: int | None = None,
     decode_ep: int | None = None,
+    decode_dcp: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The server fields each pool resolves from: the user's (``given``, from the
     flags) with ``disaggregation_mode`` set to the pool's role, and each pool's parallelism
@@ -338,11 +340,16 @@ def pd_server_fields(
     ``dp_size`` with DP attention (``enable_dp_attention`` on above 1, off at 1: a PD pool's
     data parallelism is DP attention inside each replica; more replicas are
     ``--prefill-replicas``/``--decode-replicas``). The seeds' DP/EP rules then apply per pool.
+    Decode context parallelism is the decode pool's alone: ``--decode-dcp`` (else the shared
+    ``--dcp-size``) sets its ``dcp_size``, and the prefill pool runs ``dcp_size`` 1 (its ranks
+    hold whole blocks, which DCP ranks read their token shards of; its page size then follows
+    the decode pool's logical block, see :func:`plan_serving`).
 
     Choices made here (each overridable by giving the flag): the transfer backend reads
     ``nixl`` (what moves the KV; flotilla has no mooncake), and the decode pool keeps its
     prefix cache (``--disaggregation-decode-enable-radix-cache``; SGLang's decode servers
-    default to no radix cache), so prompts sharing a prefix skip those blocks' transfer.
+    default to no radix cache), so prompts sharing a prefix skip those blocks' transfer; not with
+    decode context parallelism, which the seeds allow only with the chunk cache.
 
     Raises ValueError naming the flag for a transfer backend flotilla does not have, a size
     that is not an integer >= 1, or a pool DP size that does not divide its TP size.
@@ -357,11 +364,11 @@ def pd_server_fields(
     base["disaggregation_transfer_backend"] = "nixl"
     prefill = {**base, "disaggregation_mode": "prefill"}
     decode = {**base, "disaggregation_mode": "decode"}
-    decode.setdefault("disaggregation_decode_enable_radix_cache", True)
     sizes = {
         "prefill_tp": prefill_tp, "decode_tp": decode_tp, "prefill_dp": prefill_dp, "decode_dp": decode_dp,
-        "prefill_ep": prefill_ep, "decode_ep": decode_ep,
+        "prefill_ep": prefill_ep, "decode_ep": decode_ep, "decode_dcp": decode_dcp,
     }  # fmt: skip
+    prefill.pop("dcp_size", None)
     for pool, fields in (("prefill", prefill), ("decode", decode)):
         for keyword, field, flag in POOL_PARALLEL_FLAGS[pool]:
             size = sizes[keyword]
@@ -372,6 +379,9 @@ def pd_server_fields(
             fields[field] = size
             if field == "dp_size":
                 fields["enable_dp_attention"] = size > 1
+        if pool == "decode" and int(fields.get("dcp_size") or 1) == 1:
+            # NOTE: SGLang's PD decode with DCP runs the chunk cache only (the seeds refuse the radix cache).
+            fields.setdefault("disaggregation_decode_enable_radix_cache", True)
         dp, tp = int(fields.get("dp_size") or 1), int(fields.get("tp_size") or 1)
         if fields.get("enable_dp_attention") and tp % dp:
             raise ValueError(
@@ -379,6 +389,21 @@ def pd_server_fields(
                 f"DP attention splits a replica's {tp} ranks into {dp} DP ranks"
             )
     return prefill, decode
+
+
+def prefill_page_fields(prefill_fields: Mapping[str, Any], decode_config: Any) -> dict[str, Any]:
+    """The prefill pool's fields with its page size set to the decode pool's LOGICAL block when
+    the decode pool runs decode context parallelism: a DCP rank's blocks hold ``page_size``
+    tokens of a ``dcp_size * page_size`` logical block, and the two pools' blocks must pair up
+    one to one (a prefill block holds a whole logical block, of which each DCP rank reads its
+    tokens). Without DCP the fields are returned as they are."""
+    from flotilla.cluster.engine.limits import block_size_for
+
+    fields = dict(prefill_fields)
+    dcp = int(decode_config.dcp_size or 1)
+    if dcp > 1:
+        fields["page_size"] = block_size_for(decode_config) * dcp
+    return fields
 
 
 def ranks_in_replica(config: Any, options: ServeOptions, pool: str) -> bool:
@@ -409,18 +434,24 @@ def check_pd_options(prefill_config: Any, decode_config: Any, options: ServeOpti
     for role, config in (("prefill", prefill_config), ("decode", decode_config)):
         if config.disaggregation_mode != role:
             raise ValueError(f"the {role} pool's config has disaggregation_mode={config.disaggregation_mode!r}")
-        if int(config.dcp_size or 1) > 1 or int(config.attn_cp_size or 1) > 1:
+        if int(config.attn_cp_size or 1) > 1:
             raise ValueError(
-                f"the {role} pool: PD moves whole KV blocks between engines by heads; decode context parallelism "
-                f"(dcp_size={config.dcp_size}) and attention context parallelism (attn_cp_size={config.attn_cp_size}) "
-                "shard each block's tokens over ranks and are not supported with --disaggregation-mode pd "
-                "(DP attention and EP are: --prefill-dp/--decode-dp, --prefill-ep/--decode-ep)"
+                f"the {role} pool: attention context parallelism (attn_cp_size={config.attn_cp_size}) is not "
+                "supported with --disaggregation-mode pd (its ranks do not map to attention-TP ranks); use TP, "
+                "DP attention and EP (--prefill-dp/--decode-dp, --prefill-ep/--decode-ep)"
             )
+    if int(prefill_config.dcp_size or 1) > 1:
+        raise ValueError(
+            f"the prefill pool: decode context parallelism (dcp_size={prefill_config.dcp_size}) is the decode "
+            "pool's (--decode-dcp): prefill ranks hold whole KV blocks, of which the decode pool's DCP ranks "
+            "read their token shards"
+        )
     pairs = (
         ("model_path", prefill_config.model_path, decode_config.model_path),
         ("kv_cache_dtype", prefill_config.kv_cache_dtype, decode_config.kv_cache_dtype),
         ("dtype", prefill_config.dtype, decode_config.dtype),
-        ("page_size (KV block size)", block_size_for(prefill_config), block_size_for(decode_config)),
+        ("the logical KV block (page_size x dcp_size)", block_size_for(prefill_config) * int(prefill_config.dcp_size or 1),
+         block_size_for(decode_config) * int(decode_config.dcp_size or 1)),
     )
     for what, a, b in pairs:
         if a != b:

@@ -378,11 +378,11 @@ class GroupKV:
         return self.peer_id is not None
 
     def attach(self, factory: Any) -> None:
-        """Build every rank's KV endpoint in its actor: ``factory(rank, kv_caches, head_span)``
-        (``factory`` is pickled to the ranks; once until :meth:`detach`).
-        NotImplementedError under DCP or attention context parallelism."""
+        """Build every rank's KV endpoint in its actor: ``factory(rank, kv_caches, head_span,
+        token_shard)`` (``factory`` is pickled to the ranks; once until :meth:`detach`).
+        NotImplementedError under attention context parallelism."""
         topology = self.group.topology
-        check_kv_attachable(topology.dcp_size, topology.attn_cp_size)
+        check_kv_attachable(topology.attn_cp_size)
         if self.attached:
             raise RuntimeError("KV endpoints are already attached to this group's ranks; detach them (kv.detach()) first")
         try:

@@ -222,7 +222,7 @@ class ModelRunner:
         # NOTE: named by the rank's place in the engine group (DP-major), unique across DP ranks.
         self.kv = KVPort(
             self.parallel.dp_rank * self.parallel.tp_size + self.parallel.tp_rank, self.kv_caches, self.kv_head_span,
-            (self.parallel.dcp_size, 1), dp_rank=self.parallel.dp_rank,
+            dp_rank=self.parallel.dp_rank, token_shard=(self.parallel.dcp_rank, self.parallel.dcp_size),
         )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         # NOTE: no warm-up across ranks: its collectives would need every rank (an elastic EP

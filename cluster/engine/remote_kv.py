@@ -101,10 +101,7 @@ class RemoteKVReads:
         if ticket.peer_metadata and self._peers.get(key) is not reader:
             connect_with = list(ticket.peer_metadata)
         try:
-            if dp_rank is None:
-                handle = reader.start_read(peer_id, list(src), list(dst), timeout_s, connect_with)
-            else:
-                handle = reader.start_read(peer_id, list(src), list(dst), timeout_s, connect_with, dp_rank=dp_rank)
+            handle = reader.start_read(peer_id, list(src), list(dst), timeout_s, connect_with, dp_rank=dp_rank)
         except Exception as exc:
             self._heard_failure(peer_id, len(dst), exc)
             raise

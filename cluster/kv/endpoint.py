@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from flotilla.cluster.kv.transport import (
+    WHOLE_TOKENS,
     HeadSpan,
     KVCaches,
     KVTransferError,
@@ -87,10 +88,16 @@ class KVEndpoint:
         head_span: the heads this rank's cache holds.
     """
 
-    def __init__(self, transport: KVTransport, kv_caches: KVCaches, head_span: HeadSpan | Sequence[int]) -> None:
+    def __init__(
+        self,
+        transport: KVTransport,
+        kv_caches: KVCaches,
+        head_span: HeadSpan | Sequence[int],
+        token_shard: Sequence[int] = WHOLE_TOKENS,
+    ) -> None:
         self.head_span = HeadSpan.of(head_span)
         self._transport = transport
-        transport.register(kv_caches, self.head_span)
+        transport.register(kv_caches, self.head_span, token_shard)
         self._plans: dict[str, list[tuple[int, int, int]]] = {}  # peer id -> [(rank, lo, hi)]
 
     @property
@@ -131,7 +138,10 @@ class KVEndpoint:
         for rank, data in enumerate(peer_metadata):
             info = _load_metadata(f"{peer_id}/{rank}", data)
             spans.append(HeadSpan.of(info["head_span"]))
-            check_compatible(f"{peer_id}/{rank}", self._transport.layouts, self.head_span, info["layouts"], spans[-1])
+            check_compatible(
+                f"{peer_id}/{rank}", self._transport.layouts, self.head_span, info["layouts"], spans[-1],
+                self._transport.token_shard, info["token_shard"],
+            )  # fmt: skip
         plan = plan_head_reads(self.head_span, spans)
         connected: list[str] = []
         try:
@@ -182,13 +192,15 @@ class KVEndpoint:
                 ) from None
         return total
 
-    def export(self, block_ids: Sequence[int], heads: Sequence[int] | None = None) -> list[np.ndarray]:
+    def export(
+        self, block_ids: Sequence[int], heads: Sequence[int] | None = None, tokens: Sequence[int] = WHOLE_TOKENS
+    ) -> list[np.ndarray]:
         """Source side of the Ray fallback (see :meth:`RayObjectTransport.export`)."""
         if not isinstance(self._transport, RayObjectTransport):
             raise ValueError(
                 f"export() serves the Ray fallback; endpoint {self.name!r} uses {type(self._transport).__name__}"
             )
-        return self._transport.export(block_ids, heads)
+        return self._transport.export(block_ids, heads, tokens)
 
     def forget(self, peer_id: str) -> None:
         """Drop a peer engine and its rank connections (no-op when unknown)."""
@@ -236,11 +248,18 @@ class KVEndpointFactory:
         if not self.name:
             raise ValueError(f"name must be a non-empty string unique per engine (got name={self.name!r})")
 
-    def __call__(self, rank: int, kv_caches: KVCaches, head_span: HeadSpan | Sequence[int]) -> KVEndpoint:
-        """Rank ``rank``'s endpoint over ``kv_caches`` (holding ``head_span``)."""
+    def __call__(
+        self,
+        rank: int,
+        kv_caches: KVCaches,
+        head_span: HeadSpan | Sequence[int],
+        token_shard: Sequence[int] = WHOLE_TOKENS,
+    ) -> KVEndpoint:
+        """Rank ``rank``'s endpoint over ``kv_caches`` (holding ``head_span``, and of each
+        logical block the tokens of ``token_shard``: decode context parallelism)."""
         name = f"{self.name}-rank{rank}"
         if self.kind == "nixl":
-            return KVEndpoint(NixlTransport(name, dict(self.backend_params)), kv_caches, head_span)
+            return KVEndpoint(NixlTransport(name, dict(self.backend_params)), kv_caches, head_span, token_shard)
         import ray
 
         try:
@@ -250,4 +269,4 @@ class KVEndpointFactory:
                 f"kind='ray' builds endpoints inside a Ray actor that serves {self.export_method!r}; "
                 f"rank {rank} is not in one ({type(e).__name__}: {e})"
             ) from None
-        return KVEndpoint(RayObjectTransport(actor, self.export_method, name=name), kv_caches, head_span)
+        return KVEndpoint(RayObjectTransport(actor, self.export_method, name=name), kv_caches, head_span, token_shard)

@@ -3,8 +3,8 @@
 A runner holds one :class:`KVPort` as its ``kv`` handle (the in-process
 :class:`~flotilla.cluster.engine.model_runner.ModelRunner`, and so each
 :class:`~flotilla.cluster.worker.Worker` rank of a group). The port is bound to the rank's
-cache and head span; :meth:`KVPort.attach` builds the rank's endpoint over them from a factory
-passed in (``factory(rank, kv_caches, head_span)``; ``cluster.kv.endpoint.KVEndpointFactory``
+cache, head span and token shard; :meth:`KVPort.attach` builds the rank's endpoint over them
+from a factory passed in (``factory(rank, kv_caches, head_span, token_shard)``; ``cluster.kv.endpoint.KVEndpointFactory``
 in production).
 
 Reads never run on the caller's thread: :meth:`KVPort.start_read` hands the read to the port's
@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-KVEndpointFactory = Callable[[int, Any, tuple[int, int, int]], Any]
+KVEndpointFactory = Callable[[int, Any, tuple[int, int, int], tuple[int, int]], Any]
 
 
 class KVRankError(RuntimeError):
@@ -55,20 +55,13 @@ class KVRankError(RuntimeError):
         return (KVRankError, (self.rank, self.reason))
 
 
-def check_kv_attachable(dcp_size: int, attn_cp_size: int = 1) -> None:
-    """Refuse a KV endpoint for layouts the head-sliced transfer does not cover.
-
-    Raises NotImplementedError for decode context parallelism (``dcp_size > 1``: each rank
-    holds a token shard of every block) and for attention context parallelism
-    (``attn_cp_size > 1``: ranks do not map to attention-TP ranks one to one). DP attention is
-    covered: each DP rank's ranks hold its own pool's blocks and move only those (see
-    :meth:`KVPort.start_read`'s ``dp_rank``).
+def check_kv_attachable(attn_cp_size: int = 1) -> None:
+    """Refuse a KV endpoint for layouts the transfer does not cover: attention context
+    parallelism (``attn_cp_size > 1``: ranks do not map to attention-TP ranks one to one),
+    NotImplementedError. DP attention is covered (each DP rank's ranks move only its own
+    pool's blocks: :meth:`KVPort.start_read`'s ``dp_rank``), and so is decode context
+    parallelism on the reading side (each rank reads its token shard of every block).
     """
-    if dcp_size > 1:
-        raise NotImplementedError(
-            f"prefill/decode disaggregation does not support decode context parallelism (got dcp_size={dcp_size}): "
-            "each rank holds a token shard of every KV block; use dcp_size=1 on PD engines"
-        )
     if attn_cp_size > 1:
         raise NotImplementedError(
             f"prefill/decode disaggregation does not support attention context parallelism "
@@ -85,10 +78,12 @@ class KVPort:
         kv_caches: the rank's cache tensors (registered with the endpoint at attach).
         head_span: returns ``(start, count, total)``, the global KV heads the cache holds
             (called at attach: a model that cannot say is refused then, not before).
-        layout: ``(dcp_size, attn_cp_size)`` of the rank, checked at attach
+        attn_cp_size: the rank's attention context-parallel width, checked at attach
             (:func:`check_kv_attachable`).
         dp_rank: the DP-attention rank whose scheduler and pool the cache serves (0 without
             DP attention): a read for another DP rank's blocks moves nothing here.
+        token_shard: ``(dcp_rank, dcp_size)``: the tokens of each logical block the cache
+            holds under decode context parallelism (``(0, 1)``: every token).
     """
 
     def __init__(
@@ -96,14 +91,16 @@ class KVPort:
         rank: int,
         kv_caches: Any,
         head_span: Callable[[], tuple[int, int, int]],
-        layout: tuple[int, int] = (1, 1),
+        attn_cp_size: int = 1,
         dp_rank: int = 0,
+        token_shard: tuple[int, int] = (0, 1),
     ):
         self.rank = rank
         self.dp_rank = int(dp_rank)
+        self.token_shard = (int(token_shard[0]), int(token_shard[1]))
         self._kv_caches = kv_caches
         self._head_span = head_span
-        self._layout = layout
+        self._attn_cp_size = int(attn_cp_size)
         self._endpoint: Any = None
         self._metadata: list[bytes] | None = None
         self.peer_id: str | None = None
@@ -122,14 +119,15 @@ class KVPort:
 
     def attach(self, factory: KVEndpointFactory) -> None:
         """Build the endpoint over the rank's cache (registers it; once until :meth:`detach`).
-        NotImplementedError under DCP or attention context parallelism."""
-        check_kv_attachable(*self._layout)
+        NotImplementedError under attention context parallelism."""
+        check_kv_attachable(self._attn_cp_size)
         if self._endpoint is not None:
             raise RuntimeError(
                 f"rank {self.rank}: a KV endpoint is already attached ({self._endpoint.name!r}); "
                 "detach it (kv.detach()) before attaching another"
             )
-        self._endpoint = factory(self.rank, self._kv_caches, tuple(int(x) for x in self._head_span()))
+        span = tuple(int(x) for x in self._head_span())
+        self._endpoint = factory(self.rank, self._kv_caches, span, self.token_shard)
         self.peer_id = getattr(factory, "name", None)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flotilla-kv-rank{self.rank}")
 
@@ -224,11 +222,12 @@ class KVPort:
             if future is not None:
                 future.cancel()
 
-    def export(self, block_ids: Sequence[int], heads: tuple[int, int] | None = None) -> Any:
-        """Source side of the Ray fallback: the blocks' bytes (the reader wraps its errors)."""
+    def export(self, block_ids: Sequence[int], heads: tuple[int, int] | None = None, tokens: Sequence[int] = (0, 1)) -> Any:
+        """Source side of the Ray fallback: the blocks' bytes (``tokens``: the reader's token
+        shard; the reader wraps its errors)."""
         endpoint = self._require()
         with self._lock:
-            return endpoint.export([int(b) for b in block_ids], heads)
+            return endpoint.export([int(b) for b in block_ids], heads, tuple(tokens))
 
     def forget(self, peer_id: str) -> None:
         """Drop a peer engine (after the reads queued before it); returns at once."""

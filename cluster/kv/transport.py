@@ -13,6 +13,12 @@ that holds it (:func:`flotilla.cluster.kv.endpoint.plan_head_reads`). When the m
 both sides a read moves whole (coalesced) block runs; otherwise a head slice of a block is
 strided (the layout is ``[block_size, heads, *entry]``), one contiguous chunk per token.
 
+Decode context parallelism on the destination: a rank of a DCP group of ``n`` holds, of each
+logical block of ``n * block_size`` tokens, the tokens at offsets ``r, r + n, r + 2n, ...``
+(its :data:`TokenShard` ``(r, n)``; :mod:`flotilla.kernels.dcp`), in a block of ``block_size``.
+It reads those tokens of each source block (whose block holds the whole logical block), one
+chunk per token. A token-sharded source is not read (only the destination may be sharded).
+
 The flow, per rank:
 
 1. each rank builds a transport and calls ``register(kv_caches, head_span)`` once at start;
@@ -64,6 +70,10 @@ import torch
 from flotilla.kernels.kv_dtype import storage_view
 
 KVCaches = Sequence[Sequence[torch.Tensor]]
+# ``(rank, size)``: of each logical block, a cache holds the tokens at offsets ``rank + i * size``
+# (decode context parallelism); ``(0, 1)``: every token.
+TokenShard = tuple[int, int]
+WHOLE_TOKENS: TokenShard = (0, 1)
 
 class KVTransferError(RuntimeError):
     """A KV transfer did not complete (peer unknown or dead, bad block id, timeout,
@@ -171,28 +181,40 @@ def region_layouts(regions: Sequence[torch.Tensor]) -> tuple[RegionLayout, ...]:
 
 
 def check_compatible(
-    peer_name: str, local: Sequence[RegionLayout], local_span: HeadSpan, peer: Sequence[RegionLayout], peer_span: HeadSpan
+    peer_name: str,
+    local: Sequence[RegionLayout],
+    local_span: HeadSpan,
+    peer: Sequence[RegionLayout],
+    peer_span: HeadSpan,
+    local_shard: TokenShard = WHOLE_TOKENS,
+    peer_shard: TokenShard = WHOLE_TOKENS,
 ) -> None:
-    """Raise ValueError unless the peer's regions match ours in count, dtype, block size
-    and per-head entry shape, and both sides shard the same total of heads (the block
-    counts and the per-rank head counts may differ)."""
+    """Raise ValueError unless the peer's regions match ours in count, dtype, logical block
+    size (a block's tokens times the token shard's size) and per-head entry shape, and both
+    sides shard the same total of heads (the block counts and the per-rank head counts may
+    differ); a token-sharded peer is refused (only the reading side may be sharded)."""
     problem = None
-    if len(local) != len(peer):
+    if peer_shard != WHOLE_TOKENS:
+        problem = f"it holds a token shard {peer_shard} of each block (decode context parallelism); read from unsharded ranks"
+    elif len(local) != len(peer):
         problem = f"{len(peer)} regions vs {len(local)} here"
     elif local_span.total != peer_span.total:
         problem = f"{peer_span.total} KV heads in all vs {local_span.total} here"
     else:
+        n = local_shard[1]
         for i, (a, b) in enumerate(zip(local, peer)):
-            if (a.dtype, a.block_size, a.entry_shape) != (b.dtype, b.block_size, b.entry_shape):
+            if (a.dtype, a.block_size * n, a.entry_shape) != (b.dtype, b.block_size, b.entry_shape):
                 problem = (
                     f"region {i} is dtype={b.dtype}, block_size={b.block_size}, per-head entry {b.entry_shape} "
-                    f"vs dtype={a.dtype}, block_size={a.block_size}, per-head entry {a.entry_shape} here"
+                    f"vs dtype={a.dtype}, block_size={a.block_size} x {n} (token shard {local_shard}), "
+                    f"per-head entry {a.entry_shape} here"
                 )
                 break
     if problem:
         raise ValueError(
             f"peer {peer_name!r} has an incompatible KV layout: {problem}; both sides must hold the same "
-            "layers, dtype, block size and head shape (only the TP split of the heads may differ)"
+            "layers, dtype, logical block size and head shape (only the TP split of the heads, and the "
+            "reading side's DCP token shard, may differ)"
         )
 
 
@@ -222,11 +244,23 @@ def check_heads(heads: Sequence[int], *spans: tuple[str, HeadSpan]) -> tuple[int
     return lo, hi
 
 
+def check_token_shard(shard: Sequence[int]) -> TokenShard:
+    """``shard`` as a :data:`TokenShard`, checked: ``0 <= rank < size``."""
+    try:
+        rank, size = (int(v) for v in shard)
+    except (TypeError, ValueError):
+        raise ValueError(f"token_shard must be a (rank, size) pair (got token_shard={shard!r})") from None
+    if not 0 <= rank < size:
+        raise ValueError(f"token_shard needs 0 <= rank < size (got token_shard={shard!r})")
+    return rank, size
+
+
 def _load_metadata(peer_name: str, peer_metadata: bytes) -> dict:
     try:
         info = pickle.loads(peer_metadata)
         HeadSpan.of(info["head_span"])
         info["layouts"]
+        info["token_shard"] = check_token_shard(info.get("token_shard", WHOLE_TOKENS))
     except Exception as e:
         raise ValueError(
             f"peer_metadata of {peer_name!r} is not KV transport metadata ({type(e).__name__}: {e}); "
@@ -258,11 +292,17 @@ class KVTransport(abc.ABC):
         self.name = name
         self.fail_next_reads = 0
         self.head_span: HeadSpan | None = None
+        self.token_shard: TokenShard = WHOLE_TOKENS
         self._regions: list[torch.Tensor] = []
         self._layouts: tuple[RegionLayout, ...] = ()
         self._peers: dict[str, tuple[tuple[RegionLayout, ...], HeadSpan]] = {}
 
-    def register(self, kv_caches: KVCaches, head_span: HeadSpan | Sequence[int] | None = None) -> None:
+    def register(
+        self,
+        kv_caches: KVCaches,
+        head_span: HeadSpan | Sequence[int] | None = None,
+        token_shard: Sequence[int] = WHOLE_TOKENS,
+    ) -> None:
         """Register this rank's cache (once, at start); its tensors must stay alive and
         never be reallocated while the transport is open.
 
@@ -271,7 +311,10 @@ class KVTransport(abc.ABC):
                 tensors, every one holding ``head_span.count`` heads on axis 2.
             head_span: the global heads held; ``None``: all of them
                 (``HeadSpan(0, heads, heads)``).
+            token_shard: the tokens of each logical block the cache holds (decode context
+                parallelism; :data:`TokenShard`); default every token.
         """
+        self.token_shard = check_token_shard(token_shard)
         if self._regions:
             raise ValueError("register() was already called: the cache is registered once at start")
         regions = flatten_regions(kv_caches)
@@ -302,7 +345,9 @@ class KVTransport(abc.ABC):
         self._require_registered()
         info = _load_metadata(peer_name, peer_metadata)
         peer_span = HeadSpan.of(info["head_span"])
-        check_compatible(peer_name, self._layouts, self.head_span, info["layouts"], peer_span)
+        check_compatible(
+            peer_name, self._layouts, self.head_span, info["layouts"], peer_span, self.token_shard, info["token_shard"]
+        )
         if peer_name in self._peers:
             self.forget(peer_name)
         self._connect_backend(peer_name, info)
@@ -317,7 +362,8 @@ class KVTransport(abc.ABC):
         heads: Sequence[int] | None = None,
     ) -> int:
         """Pull the heads ``heads`` of ``src_block_ids`` of every region of ``peer_name``
-        into our blocks ``dst_block_ids`` (pairwise, at our offsets of those heads), within
+        into our blocks ``dst_block_ids`` (pairwise, at our offsets of those heads; a
+        token-sharded cache pulls its :attr:`token_shard` of each source block), within
         ``timeout_s`` seconds; nothing else of our cache changes.
 
         Args:
@@ -382,9 +428,11 @@ class KVTransport(abc.ABC):
         self._regions = []
 
     def _whole(self, peer_name: str, lo: int, hi: int) -> bool:
-        """True when ``[lo, hi)`` is the whole block entry on both sides (whole blocks move)."""
+        """True when ``[lo, hi)`` is the whole block entry on both sides and every token moves
+        (whole blocks move)."""
         peer_span = self._peers[peer_name][1]
-        return (lo, hi) == (self.head_span.start, self.head_span.stop) == (peer_span.start, peer_span.stop)
+        whole_heads = (lo, hi) == (self.head_span.start, self.head_span.stop) == (peer_span.start, peer_span.stop)
+        return whole_heads and self.token_shard == WHOLE_TOKENS
 
     def _require_registered(self) -> None:
         if not self._regions:
@@ -481,6 +529,7 @@ class NixlTransport(KVTransport):
                 "bases": [t.data_ptr() for t in self._regions],
                 "layouts": self._layouts,
                 "head_span": self.head_span,
+                "token_shard": self.token_shard,
             }
         )
 
@@ -520,14 +569,15 @@ class NixlTransport(KVTransport):
                 nb = layout.block_bytes
                 add(region.data_ptr() + runs[:, 1] * nb, base + runs[:, 0] * nb, runs[:, 2] * nb)
         else:
-            # A head slice of a block is strided: one chunk of (hi - lo) heads per token. NOTE:
-            # neighbouring chunks are contiguous on both sides only when [lo, hi) is both sides'
-            # whole entry, the branch above, so nothing here coalesces.
+            # A head slice of a block is strided: one chunk of (hi - lo) heads per token; so is a
+            # token shard (local token j is source token j * n + r). NOTE: neighbouring chunks are
+            # contiguous on both sides only in the branch above, so nothing here coalesces.
             s, d = np.array(src, dtype=np.uint64), np.array(dst, dtype=np.uint64)
+            shard_rank, shard_size = (np.uint64(v) for v in self.token_shard)
             for region, base, local, peer in zip(self._regions, remote_bases, self._layouts, peer_layouts):
                 tokens = np.arange(local.block_size, dtype=np.uint64)
                 local_tokens = (d[:, None] * local.block_size + tokens).ravel()
-                remote_tokens = (s[:, None] * peer.block_size + tokens).ravel()
+                remote_tokens = (s[:, None] * peer.block_size + tokens * shard_size + shard_rank).ravel()
                 add(
                     region.data_ptr() + (lo - self.head_span.start) * local.head_bytes + local_tokens * local.token_bytes,
                     base + (lo - peer_span.start) * peer.head_bytes + remote_tokens * peer.token_bytes,
@@ -610,7 +660,10 @@ class RayObjectTransport(KVTransport):
         actor = self._actor or ray.get_runtime_context().current_actor
         # NOTE: cloudpickle: an actor handle pickles only through Ray's reducer.
         return ray.cloudpickle.dumps(
-            {"actor": actor, "method": self._export_method, "layouts": self._layouts, "head_span": self.head_span}
+            {
+                "actor": actor, "method": self._export_method, "layouts": self._layouts, "head_span": self.head_span,
+                "token_shard": self.token_shard,
+            }  # fmt: skip
         )
 
     def _connect_backend(self, peer_name: str, info: dict) -> None:
@@ -619,12 +672,16 @@ class RayObjectTransport(KVTransport):
     def _forget_backend(self, peer_name: str) -> None:
         self._sources.pop(peer_name, None)
 
-    def export(self, block_ids: Sequence[int], heads: Sequence[int] | None = None) -> list[np.ndarray]:
+    def export(
+        self, block_ids: Sequence[int], heads: Sequence[int] | None = None, tokens: Sequence[int] = WHOLE_TOKENS
+    ) -> list[np.ndarray]:
         """Source side: per region, the blocks' heads ``heads`` (global ``(lo, hi)``
-        inside this rank's span; ``None``: all) as one uint8 array
-        ``[len(block_ids), block_size * (hi - lo) * head_bytes]`` (numpy, so Ray moves it
+        inside this rank's span; ``None``: all) of the tokens of ``tokens`` (a reader's
+        :data:`TokenShard`: offsets ``rank, rank + size, ...`` of each block) as one uint8
+        array ``[len(block_ids), tokens * (hi - lo) * head_bytes]`` (numpy, so Ray moves it
         without pickling a copy and the reader maps it straight from the object store)."""
         self._require_registered()
+        shard_rank, shard_size = check_token_shard(tokens)
         span = self.head_span
         lo, hi = (span.start, span.stop) if heads is None else check_heads(heads, ("this rank", span))
         ids = [int(b) for b in block_ids]
@@ -635,8 +692,11 @@ class RayObjectTransport(KVTransport):
         out = []
         for region in self._regions:
             blocks = storage_view(region).index_select(0, index)
+            if (shard_rank, shard_size) != WHOLE_TOKENS:
+                blocks = blocks[:, shard_rank::shard_size]
             if (lo, hi) != (span.start, span.stop):
-                blocks = blocks[:, :, lo - span.start : hi - span.start].contiguous()
+                blocks = blocks[:, :, lo - span.start : hi - span.start]
+            blocks = blocks.contiguous()
             out.append(blocks.cpu().view(torch.uint8).reshape(len(ids), -1).numpy())
         return out
 
@@ -645,7 +705,9 @@ class RayObjectTransport(KVTransport):
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
-            ref = self._sources[peer_name].remote("export", src, (lo, hi))
+            # NOTE: the token shard travels only when there is one (the export's original call).
+            shard = () if self.token_shard == WHOLE_TOKENS else (self.token_shard,)
+            ref = self._sources[peer_name].remote("export", src, (lo, hi), *shard)
         except Exception as e:  # e.g. an export method without the ("export", block_ids, heads) signature
             raise KVTransferError(f"could not call the KV export of {peer_name!r}: {type(e).__name__}: {e}") from None
         try:

@@ -251,8 +251,34 @@ def test_bad_pool_sizes_and_token_sharded_pools_are_refused(moe_dir):
         pd_server_fields({}, decode_ep=0)
     opts, given = parse_serve_args(["--model", moe_dir, "--disaggregation-mode", "pd", "--max-total-tokens", "2048"])
     plan = plan_for(opts, given)
-    # NOTE: DCP ranks hold token shards of every block; the transfer reads heads of whole blocks.
-    with pytest.raises(ValueError, match=r"the decode pool: .*decode context parallelism \(dcp_size=2\)"):
-        values = json.loads(plan.decode_config.to_json())
+    # NOTE: DCP ranks read their token shards of whole blocks: only the decode pool may run it.
+    with pytest.raises(ValueError, match=r"the prefill pool: decode context parallelism \(dcp_size=2\) is the decode pool's"):
+        values = json.loads(plan.config.to_json())
         values["config"]["dcp_size"] = 2
-        check_pd_options(plan.config, ResolvedConfig.from_json(json.dumps(values)), plan.options)
+        check_pd_options(ResolvedConfig.from_json(json.dumps(values)), plan.decode_config, plan.options)
+    prefill_fields, decode_fields = pd_server_fields({"dcp_size": 2, "tp_size": 2})
+    assert "dcp_size" not in prefill_fields and decode_fields["dcp_size"] == 2
+
+
+def test_a_dcp_decode_pool_sets_the_prefill_page_to_its_logical_block(tmp_path):
+    """--decode-dcp 2: the decode pool shards the MLA latent by token over 2 ranks (16-token
+    local blocks, 32-token logical blocks); the prefill pool runs whole 32-token blocks, so
+    the two pools' blocks pair up one to one; the decode pool keeps the chunk cache (the
+    seeds allow PD decode DCP only with it)."""
+    import json
+
+    from helpers.resolution_configs import DEEPSEEK_V3_BF16
+
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3_BF16))
+    opts, given = parse_serve_args(
+        ["--model", str(tmp_path), "--disaggregation-mode", "pd", "--decode-tp", "2", "--decode-dcp", "2",
+         "--max-total-tokens", "2048"]
+    )  # fmt: skip
+    plan = plan_for(opts, given)
+    prefill, decode = plan.config, plan.decode_config
+    assert (decode.tp_size, decode.dcp_size, prefill.dcp_size) == (2, 2, 1)
+    from flotilla.cluster.engine.limits import block_size_for
+
+    assert prefill.page_size == 2 * block_size_for(decode) == 32
+    assert not decode.disaggregation_decode_enable_radix_cache
+    check_pd_options(prefill, decode, plan.options)

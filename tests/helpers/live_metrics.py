@@ -31,3 +31,16 @@ def wait_for(predicate, timeout_s: float = METRICS_WAIT_S, interval_s: float = 0
         time.sleep(interval_s)
         value = predicate()
     return value
+
+
+def pd_blocks_all_free(url: str) -> bool:
+    """Both pools' replicas report their KV blocks (``flotilla:kv_cache_used_blocks``) and
+    the prefill pool its leased blocks back at 0 (and both pools report at all)."""
+    m = metrics(url)
+    used = m.get("flotilla:kv_cache_used_blocks", {})
+    pools = {dict(k).get("pool") for k in used}
+    return (
+        {"prefill", "decode"} <= pools
+        and sum(v for k, v in used.items() if dict(k).get("pool") in ("prefill", "decode")) == 0
+        and total(m, "flotilla:kv_transfer_leased_blocks", pool="prefill") == 0
+    )

@@ -543,3 +543,49 @@ def test_bandwidth_64_mib(holders, capsys):
             with capsys.disabled():
                 print(f"\nKV transfer {kind}: {label} in {seconds * 1e3:.1f} ms = {moved / seconds / 1e9:.2f} GB/s")
         assert torch.equal(ray.get(dst.cache.remote("large"))[1][0], ray.get(src.cache.remote("large"))[1][0])
+
+
+def test_a_dcp_rank_reads_its_token_shard_of_each_block_in_process():
+    """Decode context parallelism on the reading side: DCP rank r of 2 holds, of each 4-token
+    logical block, the tokens at offsets r and r + 2 in a 2-token block; its NIXL endpoint reads
+    exactly those tokens of the source's blocks (all heads, then one head of a TP-2 source), and
+    the Ray fallback exports the same bytes. A token-sharded source, or a logical block size
+    that differs, is refused at connect."""
+    tag = uuid.uuid4().hex[:8]
+    full = make_cache(seed=3, **SMALL)  # 16 blocks of 4 tokens, 2 heads
+    source = KVEndpointFactory("nixl", f"src-{tag}")(0, full, HeadSpan(0, 2, 2))
+    shard_layout = dict(num_layers=2, num_blocks=16, block_shape=(2, 2, 8))
+    sinks = [KVEndpointFactory("nixl", f"dcp{r}-{tag}")(0, make_cache(seed=4 + r, **shard_layout), HeadSpan(0, 2, 2), (r, 2)) for r in range(2)]
+    caches = [sink._transport._regions for sink in sinks]
+    try:
+        for r, sink in enumerate(sinks):
+            sink.connect("src", [source.metadata()])
+            # 2 blocks x 2 tokens x 2 heads of every region moved
+            assert sink.read("src", [5, 2], [0, 9], 5.0) == 2 * REGIONS * 2 * (SMALL_HEAD_BYTES // 2)
+            for got, want in zip(caches[r], tensors(full)):
+                assert torch.equal(got[0], want[5][r::2]) and torch.equal(got[9], want[2][r::2])
+        # A TP-2 source (one head per rank) read by a DCP rank holding both heads: per head.
+        halves = [KVEndpointFactory("nixl", f"half{h}-{tag}")(h, slice_heads(full, h, h + 1), (h, 1, 2)) for h in range(2)]
+        try:
+            sinks[1].connect("tp2", [h.metadata() for h in halves])
+            sinks[1].read("tp2", [7], [3], 5.0)
+            assert all(torch.equal(got[3], want[7][1::2]) for got, want in zip(caches[1], tensors(full)))
+        finally:
+            for h in halves:
+                h.close()
+        ray_source = RayObjectTransport(actor_handle=object(), name="ray-src")
+        ray_source.register(full, HeadSpan(0, 2, 2))
+        exported = ray_source.export([5], None, (1, 2))
+        assert all(torch.equal(torch.from_numpy(e).view(torch.float32).reshape(1, 2, 2, 8)[0], want[5][1::2])
+                   for e, want in zip(exported, tensors(full)))  # fmt: skip
+        with pytest.raises(ValueError, match=r"token shard \(1, 2\) of each block"):
+            sinks[0].connect("sharded", [sinks[1].metadata()])
+        other = KVEndpointFactory("nixl", f"src8-{tag}")(0, make_cache(seed=9, num_layers=2, num_blocks=4, block_shape=(8, 2, 8)), HeadSpan(0, 2, 2))
+        try:
+            with pytest.raises(ValueError, match=r"block_size=8, .* block_size=2 x 2 \(token shard \(0, 2\)\)"):
+                sinks[0].connect("wide", [other.metadata()])
+        finally:
+            other.close()
+    finally:
+        for endpoint in (source, *sinks):
+            endpoint.close()

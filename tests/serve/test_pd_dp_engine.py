@@ -19,6 +19,7 @@ What this checks, for the flow the ingress runs (prefill, stream the decode, rel
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -159,3 +160,30 @@ def test_a_dp_prefill_pool_feeds_a_tp_decode_pool(replicas, tiny):
     _, prompts, expected = tiny
     results = _run_all(prefill, tp_decode, prompts, "tp")
     assert [tokens for _, tokens in results] == expected
+
+
+def test_a_dcp_decode_pool_reads_each_ranks_token_shard(ray_cluster, tiny):
+    """A TP 1 prefill replica (its rank in this process) feeding a decode replica of TP 2 with
+    decode context parallelism 2 (the MLA latent sharded by token over both ranks): the
+    prefill pool's page size follows the decode pool's logical block (2 x 16 tokens), and each
+    decode rank reads its token shard of every prefilled block. Greedy tokens equal the single
+    engine's, and every block is freed afterwards."""
+    from flotilla.serve.plan import check_pd_options, prefill_page_fields
+
+    path, prompts, expected = tiny
+    prefill_fields, decode_fields = pd_server_fields({**BASE, "model_path": path}, decode_tp=2, decode_dcp=2)
+    decode_config = resolve_pool(decode_fields, preset("cpu"))[0]
+    prefill_config = resolve_pool(prefill_page_fields(prefill_fields, decode_config), preset("cpu"))[0]
+    assert (decode_config.dcp_size, prefill_config.dcp_size, prefill_config.page_size) == (2, 1, 32)
+    options = ServeOptions(model=path, kv_transport="nixl", kv_lease_s=30.0, kv_transfer_timeout_s=15.0)
+    check_pd_options(prefill_config, decode_config, dataclasses.replace(options, disaggregation_mode="pd"))
+    built: list[EngineReplica] = []
+    try:
+        built.append(EngineReplica(prefill_config, options, pool="prefill", replica_id="p-tp1"))
+        built.append(EngineReplica(decode_config, options, pool="decode", replica_id="d-dcp"))
+        assert _scheduler(built[1]).pool.block_size == 32  # the decode scheduler's logical blocks
+        results = _run_all(*built, prompts, "dcp")
+        assert [tokens for _, tokens in results] == expected
+    finally:
+        for replica in reversed(built):
+            replica.shutdown()

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from helpers.live_metrics import metrics, total, wait_for
+from helpers.live_metrics import metrics, pd_blocks_all_free, total, wait_for
 from helpers.nodes import NODE_A, NODE_B, node_holding
 from helpers.prompts import random_prompts
 from helpers.tiny_models import save_word_tokenizer, word_token_ids
@@ -128,17 +128,6 @@ def _describe(app: str, pool: str) -> dict:
     return serve.get_deployment_handle(pool, app_name=app).describe.remote().result(timeout_s=30)
 
 
-def _no_blocks_held(url: str) -> bool:
-    m = metrics(url)
-    used = m.get("flotilla:kv_cache_used_blocks", {})
-    pools = {dict(k).get("pool") for k in used}
-    return (
-        {"prefill", "decode"} <= pools
-        and sum(v for k, v in used.items() if dict(k).get("pool") in ("prefill", "decode")) == 0
-        and total(m, "flotilla:kv_transfer_leased_blocks", pool="prefill") == 0
-    )
-
-
 class WideEPChecks:
     """The checks both deployments pass (each class names its model and layout)."""
 
@@ -166,7 +155,7 @@ class WideEPChecks:
             outcomes = list(pool.map(one, range(MIXED_REQUESTS)))
         assert [i for i, ok in enumerate(outcomes) if not ok] == []
         assert wait_for(lambda: read_bytes() > before)
-        assert wait_for(lambda: _no_blocks_held(pd.url))
+        assert wait_for(lambda: pd_blocks_all_free(pd.url))
         # Concurrent requests spread over both DP ranks of each pool.
         m = metrics(pd.url)
         for pool in ("prefill", "decode"):
@@ -182,7 +171,7 @@ class WideEPChecks:
         # NOTE: each decode rank fails its own next read; a lone request lands on DP rank 0.
         assert _complete(pd, pd.prompts[2]) == [pd.expected[2]]
         assert wait_for(lambda: failures() > before)
-        assert wait_for(lambda: _no_blocks_held(pd.url))
+        assert wait_for(lambda: pd_blocks_all_free(pd.url))
 
     def test_a_killed_prefill_rank_leaves_the_decode_pool_computing_the_prompts(self, pd):
         import ray

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from helpers.live_metrics import metrics, total, wait_for
+from helpers.live_metrics import metrics, pd_blocks_all_free, total, wait_for
 from helpers.prompts import random_prompts
 from helpers.tiny_models import save_tiny_llama, save_word_tokenizer, word_token_ids
 
@@ -105,17 +105,6 @@ def _decode_holds_no_block(url: str) -> bool:
     return bool(m.get("flotilla:kv_cache_used_blocks")) and total(m, "flotilla:kv_cache_used_blocks", pool="decode") == 0
 
 
-def _no_blocks_held(url: str) -> bool:
-    m = metrics(url)
-    used = m.get("flotilla:kv_cache_used_blocks", {})
-    pools = {dict(k).get("pool") for k in used}
-    return (
-        {"prefill", "decode"} <= pools
-        and sum(v for k, v in used.items() if dict(k).get("pool") in ("prefill", "decode")) == 0
-        and total(m, "flotilla:kv_transfer_leased_blocks", pool="prefill") == 0
-    )
-
-
 @pytest.fixture(scope="class")
 def pd(request, serve_http, tiny):
     """The test class's PD deployment (its ``APP``, ``PREFIX`` and ``SETUP``: prefill TP,
@@ -140,7 +129,7 @@ class TestPrefillTP2DecodeTP1Recompute:
         _handle(self.APP, "decode").kv_set_fail_next_reads.remote(1).result(timeout_s=30)
         assert _tokens(pd, tiny.prompts[2]) == tiny.expected[2]
         assert wait_for(lambda: failures() > before)
-        assert wait_for(lambda: _no_blocks_held(pd.url))
+        assert wait_for(lambda: pd_blocks_all_free(pd.url))
 
     def test_a_killed_prefill_rank_is_recomputed_on_the_decode_side(self, pd, tiny):
         _kill_prefill_rank(self.APP, 1)
@@ -163,7 +152,7 @@ class TestPrefillTP1DecodeTP2FailOverRay:
         response = _complete(pd, tiny.prompts[2])
         assert response.status_code == 503, response.text
         assert "kv_load_failure_policy='fail'" in response.json()["error"]["message"]
-        assert wait_for(lambda: _no_blocks_held(pd.url))
+        assert wait_for(lambda: pd_blocks_all_free(pd.url))
         # NOTE: the failure was the request's alone: the next one is served.
         assert _tokens(pd, tiny.prompts[0]) == tiny.expected[0]
 

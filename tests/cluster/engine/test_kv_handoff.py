@@ -318,7 +318,7 @@ class HeldRead:
     def __init__(self, copy):
         self.copy, self.reads = copy, []
 
-    def start_read(self, peer_id, src, dst, timeout_s, connect_with=None):
+    def start_read(self, peer_id, src, dst, timeout_s, connect_with=None, dp_rank=None):
         self.reads.append((list(src), list(dst), Future()))
         return self.reads[-1][2]
 

@@ -18,6 +18,7 @@ float32 summation noise (see ``save_tiny_llama``), sharded reductions included.
 
 import dataclasses
 import time
+import pickle
 import uuid
 from contextlib import contextmanager
 
@@ -365,12 +366,10 @@ def test_a_dead_rank_breaks_the_group(ray_cluster, gqa):
 # ---- attach rules -------------------------------------------------------------------------
 
 
-def test_kv_attach_refuses_layouts_it_cannot_serve(gqa, tmp_path):
-    with pytest.raises(NotImplementedError, match="dcp_size=2"):
-        check_kv_attachable(dcp_size=2)
+def test_kv_attach_refuses_attention_cp_and_serves_dp_and_dcp_ranks(gqa, tmp_path):
     with pytest.raises(NotImplementedError, match="attn_cp_size=2"):
-        check_kv_attachable(dcp_size=1, attn_cp_size=2)
-    check_kv_attachable(dcp_size=1)  # DP attention is served: nothing to refuse
+        check_kv_attachable(attn_cp_size=2)
+    check_kv_attachable(1)  # DP attention and DCP are served: nothing to refuse
     factory = KVEndpointFactory("nixl", f"refused-{uuid.uuid4().hex[:8]}")
 
     source = resolve_model_source(gqa[0])
@@ -389,11 +388,15 @@ def test_kv_attach_refuses_layouts_it_cannot_serve(gqa, tmp_path):
 
     save_tiny_deepseek_v2(tmp_path)
     source = resolve_model_source(str(tmp_path))
-    layout = ParallelLayout(tp_size=2, dcp_size=2, comms={"dcp": Communicator.single()})
+    # DCP rank 1 of 2: its endpoint reads the odd tokens of every logical block.
+    layout = ParallelLayout(tp_size=2, tp_rank=1, dcp_size=2, dcp_rank=1, comms={"dcp": Communicator.single()})
     dcp_runner = ModelRunner(resolved(source, tp_size=2, dcp_size=2), source, pack_weights=False, parallel=layout)
-    with pytest.raises(NotImplementedError, match="decode context parallelism.*dcp_size=2"):
-        dcp_runner.kv.attach(factory)
-    assert not dcp_runner.kv.attached
+    dcp_runner.kv.attach(KVEndpointFactory("nixl", f"dcp-{uuid.uuid4().hex[:8]}"))
+    try:
+        assert dcp_runner.kv.token_shard == (1, 2)
+        assert pickle.loads(dcp_runner.kv.metadata()[0])["token_shard"] == (1, 2)
+    finally:
+        dcp_runner.kv.detach()
 
 
 def test_kv_attach_once_and_shutdown_closes_the_endpoint(gqa):
