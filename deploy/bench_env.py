@@ -159,13 +159,40 @@ def git_state(root: Path = _CHECKOUT) -> dict[str, Any]:
     to 20 of their paths); None values outside a git checkout of flotilla (an installed wheel).
 
     NOTE: taken once a process, so a benchmark that rewrites a tracked result file as it goes
-    does not find its own output dirty."""
+    does not find its own output dirty.
+
+    A copy of the checkout without its ``.git`` (the device machines get the working tree
+    alone) reads the state from the JSON file that ``$FLOTILLA_GIT_STATE`` names, written in
+    the checkout just before the copy was made (``python -m flotilla.deploy.bench_env FILE``);
+    such a state says so under ``from_file``."""
     top = _run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"])
     if top is None or Path(top.split()[0]).resolve() != root:
-        return {"commit": None, "dirty": None, "dirty_paths": []}
+        return _git_state_from_file() or {"commit": None, "dirty": None, "dirty_paths": []}
     status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]) or ""
     paths = [line[3:] for line in status.splitlines() if line.strip()]
     return {"commit": top.split()[1], "dirty": bool(paths), "dirty_paths": paths[:_DIRTY_PATHS_SHOWN]}
+
+
+GIT_STATE_ENV = "FLOTILLA_GIT_STATE"
+
+
+def _git_state_from_file() -> dict[str, Any] | None:
+    """The state saved in the file ``$FLOTILLA_GIT_STATE`` names; None when unset, unreadable or
+    not a state (a commit of 40 hex digits)."""
+    path = os.environ.get(GIT_STATE_ENV)
+    if not path:
+        return None
+    try:
+        saved = json.loads(Path(path).read_text())
+        commit = saved["commit"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not (isinstance(commit, str) and len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)):
+        return None
+    paths = [str(p) for p in saved.get("dirty_paths") or []]
+    dirty = saved.get("dirty")
+    return {"commit": commit, "dirty": bool(paths) if dirty is None else bool(dirty),
+            "dirty_paths": paths[:_DIRTY_PATHS_SHOWN], "from_file": str(path)}  # fmt: skip
 
 
 def _cpu_model() -> str:
@@ -268,3 +295,12 @@ def write_result(path: str | os.PathLike, results: Any, *, sort_keys: bool = Fal
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2, sort_keys=sort_keys, default=str) + "\n")
     return out
+
+
+if __name__ == "__main__":  # python -m flotilla.deploy.bench_env FILE: this checkout's git state, for a copy without .git
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m flotilla.deploy.bench_env FILE")
+    state = git_state()
+    if state["commit"] is None:
+        sys.exit("bench_env: not run from a git checkout of flotilla")
+    Path(sys.argv[1]).write_text(json.dumps(state, indent=2) + "\n")

@@ -27,7 +27,7 @@ def _git(root, *args):
 def assert_provenance(prov, command=None):
     """The fields every result must carry, with plausible values."""
     assert set(prov) >= {"git", "date", "command", "cwd", "machine", "versions"}
-    assert set(prov["git"]) == {"commit", "dirty", "dirty_paths"}
+    assert set(prov["git"]) - {"from_file"} == {"commit", "dirty", "dirty_paths"}
     assert prov["git"]["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", prov["git"]["commit"])
     date = datetime.fromisoformat(prov["date"])
     assert date.utcoffset() == timedelta(0) and abs(datetime.now(timezone.utc) - date) < timedelta(minutes=10)
@@ -77,6 +77,27 @@ def test_git_state_outside_a_checkout_says_so(tmp_path):
     assert bench_env.git_state.__wrapped__(tmp_path.resolve() / "missing") == {
         "commit": None, "dirty": None, "dirty_paths": [],
     }  # fmt: skip
+
+
+def test_a_copy_without_git_reads_the_state_saved_in_the_checkout(tmp_path, monkeypatch):
+    # The device machines get the working tree without .git: the checkout saves its state first.
+    saved = tmp_path / "git-state.json"
+    subprocess.run([sys.executable, "-m", "flotilla.deploy.bench_env", str(saved)], check=True, cwd=REPO, timeout=60)
+    state = json.loads(saved.read_text())
+    assert state["commit"] == _git(REPO, "rev-parse", "HEAD")
+    assert state["dirty"] == bool(_git(REPO, "status", "--porcelain", "--untracked-files=no"))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    monkeypatch.delenv(bench_env.GIT_STATE_ENV, raising=False)
+    assert bench_env.git_state.__wrapped__(copy) == {"commit": None, "dirty": None, "dirty_paths": []}
+    monkeypatch.setenv(bench_env.GIT_STATE_ENV, str(saved))
+    assert bench_env.git_state.__wrapped__(copy) == {**state, "from_file": str(saved)}
+    # A checkout's own git wins over the file; a file that holds no commit is ignored.
+    assert "from_file" not in bench_env.git_state.__wrapped__(REPO)
+    saved.write_text(json.dumps({"commit": "HEAD", "dirty": False}))
+    assert bench_env.git_state.__wrapped__(copy)["commit"] is None
+    monkeypatch.setenv(bench_env.GIT_STATE_ENV, str(tmp_path / "missing.json"))
+    assert bench_env.git_state.__wrapped__(copy)["commit"] is None
 
 
 def test_machine_records_the_cuda_devices_and_driver(monkeypatch):
