@@ -35,13 +35,19 @@ def test_serve_processes_are_found_by_title_under_their_root():
     title = "ray::ServeReplica:soaktest:engine.handle_request"
     child = subprocess.Popen(["bash", "-c", f"exec -a '{title}' sleep 30"])  # NOTE: argv[0] is the title
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not soak.serve_processes("soaktest"):
+        # NOTE: the title appears once bash has exec'd; on a loaded 2-core box (the whole suite's
+        # Ray clusters beside it) that took more than 10 s once, so the bound is generous.
+        deadline = time.monotonic() + 60
+
+        def replicas_found() -> dict:
+            # The test session's own Ray cluster (started under this process) may run a Serve
+            # proxy, which is found too; the replicas found are the app's alone.
+            found = soak.serve_processes("soaktest", root=os.getpid())
+            return {label: pid for label, pid in found.items() if not label.startswith("proxy:")}
+
+        while time.monotonic() < deadline and not replicas_found():
             time.sleep(0.05)
-        found = soak.serve_processes("soaktest", root=os.getpid())
-        # NOTE: the test session's own Ray cluster (started under this process) may run a
-        # Serve proxy, which is found too; the replicas found are the app's alone.
-        replicas = {label: pid for label, pid in found.items() if not label.startswith("proxy:")}
+        replicas = replicas_found()
         assert replicas == {f"engine:{child.pid}": child.pid}
         assert soak.serve_processes("soaktest", root=1 << 22) == {}  # NOTE: not under that root
         rss = soak.proc_rss(child.pid)
