@@ -19,7 +19,7 @@
 # flashinfer modules that take no shape arguments (norm, sampling, RoPE, SiLU) in background
 # processes while a short latency run of the part's first shape compiles the rest, and waits
 # for all of them, so no compile overlaps a timed command (on a cold cache: ~2.5 min, not ~5).
-# On a copy of the checkout without .git, FLOTILLA_GIT_STATE names the git state saved in the
+# On a copy of the checkout (its .git may be stale or missing), FLOTILLA_GIT_STATE names the git state saved in the
 # checkout beforehand (`python -m flotilla.deploy.bench_env FILE`), so each JSON names its commit.
 set -uo pipefail
 

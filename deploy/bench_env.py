@@ -161,13 +161,17 @@ def git_state(root: Path = _CHECKOUT) -> dict[str, Any]:
     NOTE: taken once a process, so a benchmark that rewrites a tracked result file as it goes
     does not find its own output dirty.
 
-    A copy of the checkout without its ``.git`` (the device machines get the working tree
-    alone) reads the state from the JSON file that ``$FLOTILLA_GIT_STATE`` names, written in
-    the checkout just before the copy was made (``python -m flotilla.deploy.bench_env FILE``);
-    such a state says so under ``from_file``."""
+    A copy of the checkout (the device machines get the working tree, with a ``.git`` that can
+    be older than it: seen on 2026-12-03, three commits behind and every later change "dirty")
+    reads the state from the JSON file that ``$FLOTILLA_GIT_STATE`` names instead, written in the
+    checkout just before the copy was made (``python -m flotilla.deploy.bench_env FILE``); such
+    a state says so under ``from_file``. The file wins over the copy's own git when it is set."""
+    saved = _git_state_from_file()
+    if saved is not None:
+        return saved
     top = _run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"])
     if top is None or Path(top.split()[0]).resolve() != root:
-        return _git_state_from_file() or {"commit": None, "dirty": None, "dirty_paths": []}
+        return {"commit": None, "dirty": None, "dirty_paths": []}
     status = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]) or ""
     paths = [line[3:] for line in status.splitlines() if line.strip()]
     return {"commit": top.split()[1], "dirty": bool(paths), "dirty_paths": paths[:_DIRTY_PATHS_SHOWN]}
@@ -297,9 +301,10 @@ def write_result(path: str | os.PathLike, results: Any, *, sort_keys: bool = Fal
     return out
 
 
-if __name__ == "__main__":  # python -m flotilla.deploy.bench_env FILE: this checkout's git state, for a copy without .git
+if __name__ == "__main__":  # python -m flotilla.deploy.bench_env FILE: this checkout's git state, for a copy of it
     if len(sys.argv) != 2:
         sys.exit("usage: python -m flotilla.deploy.bench_env FILE")
+    os.environ.pop(GIT_STATE_ENV, None)
     state = git_state()
     if state["commit"] is None:
         sys.exit("bench_env: not run from a git checkout of flotilla")
