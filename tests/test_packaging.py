@@ -14,13 +14,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_editable_install_exposes_the_subpackages_under_flotilla():
+    # NOTE: a bare name may be another distribution's (transformers brings Hugging Face's
+    # `kernels`, installed in site-packages, which may sit inside the checkout's .venv); none
+    # may resolve to one of the checkout's own folders.
+    names = ("resolution", "kernels", "serve", "cluster", "deploy")
     code = (
-        "import importlib.util as u, flotilla.resolution, flotilla.deploy.cli;"
-        "print(all(u.find_spec(n) is None for n in ('resolution', 'kernels', 'serve', 'cluster', 'deploy')))"
+        "import importlib.util as u, json, flotilla.resolution, flotilla.deploy.cli;"
+        f"print(json.dumps([str(s.origin) for s in map(u.find_spec, {names!r}) if s is not None]))"
     )
     # Run from a neutral directory so the checkout itself is not on sys.path.
     out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"
+    found = json.loads(out.stdout)
+    ours = [origin for origin in found if any(origin.startswith(str(REPO / name)) for name in names)]
+    assert ours == [], ours
 
 
 @pytest.fixture(scope="module")
