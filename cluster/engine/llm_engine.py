@@ -144,6 +144,19 @@ class _Parent:
     streaming: bool = False
 
 
+def _replay_streamed(seq: _Sequence, token_ids: list[int]) -> None:
+    """Bring a resumed completion to where the engine that streamed ``token_ids`` left it:
+    the tokens recorded, their text decoded, and as much of it counted as streamed as that
+    engine let out (everything but the stop strings' holdback: the visible length only grows,
+    so after the last token it is the text's length less the holdback)."""
+    completion = seq.completion
+    completion.token_ids.extend(token_ids)
+    if seq.detokenizer is not None:
+        for token in token_ids:
+            completion.text += seq.detokenizer.add(token)
+    seq.streamed_chars = max(len(completion.text) - seq.holdback, 0)
+
+
 class EngineDeadError(RuntimeError):
     """The model runner failed; in-flight requests were failed and the engine needs
     :meth:`LLMEngine.restart` before it accepts requests again."""
@@ -240,6 +253,7 @@ class LLMEngine:
         stream: bool = False,
         hold_kv: bool = False,
         priority: int | None = None,
+        resumed_token_ids: Sequence[int] = (),
     ) -> str:
         """Queue a request; returns its id. ValueError (naming the parameter) for bad input.
 
@@ -249,10 +263,23 @@ class LLMEngine:
         :meth:`release_kv`; see :mod:`flotilla.cluster.engine.kv_handoff`. ``priority``:
         the request's priority under ``--enable-priority-scheduling`` (None:
         ``--default-priority-value``, else 0); see :meth:`priority_of`.
+
+        ``resumed_token_ids`` (a migrated request, ``n == 1``): tokens another engine already
+        generated and streamed for this request. They are its first outputs here: they count
+        against ``max_tokens`` and in penalties, stop strings and its grammar, their KV is
+        computed with the prompt's, and the stream goes on with the token after them (nothing
+        is streamed for them; text that one of the request's stop strings might still claim
+        was held back there and is held back here too).
         """
         if self.dead is not None:
             raise self.dead
         params = params or SamplingParams()
+        resumed = [int(t) for t in resumed_token_ids]
+        if resumed and (params.n != 1 or hold_kv or params.pooling is not None):
+            raise ValueError(
+                f"resumed_token_ids: only a generating request with n=1 resumes (got n={params.n}, "
+                f"hold_kv={hold_kv}, pooling={params.pooling!r})"
+            )
         if hold_kv:
             _require_handoff_support(self.scheduler)
             if params.n != 1:
@@ -262,6 +289,10 @@ class LLMEngine:
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use; request ids must be unique")
         max_tokens = self._validate(prompt_token_ids, params)
+        if len(resumed) >= max_tokens:
+            raise ValueError(
+                f"resumed_token_ids: {len(resumed)} tokens already reach max_tokens={max_tokens}; nothing is left to generate"
+            )
         if params.pooling is not None:
             _check_pooling(params, hold_kv)
             max_tokens = 1  # NOTE: the step that would sample its first token pools instead
@@ -271,6 +302,12 @@ class LLMEngine:
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         # NOTE: before anything is queued: a constraint that does not compile leaves no trace.
         grammars = [self._grammar_state(child) for child in children]
+        if resumed and grammars[0] is not None:
+            for position, token in enumerate(resumed):
+                if not grammars[0].accept(token):
+                    raise ValueError(
+                        f"resumed_token_ids: token {token} at position {position} is not allowed by the request's constraint"
+                    )
         requests = []
         for index, child in enumerate(children):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -278,6 +315,8 @@ class LLMEngine:
                 raise ValueError(f"request_id {request_id!r} clashes with a live completion {child_id!r}; use another id")
             skip_cache = child.pooling == "mean"
             requests.append(Request(child_id, prompt_token_ids, max_tokens, sampling_params=child, priority=level, skip_prefix_cache=skip_cache))
+        for token in resumed:
+            requests[0].append_output_token(token)
         limit = self.scheduler.max_tokens_per_request()
         if len(prompt_token_ids) + max_tokens > limit:
             raise ValueError(
@@ -296,6 +335,8 @@ class LLMEngine:
             generator = self.runner.generator_for(child.seed) if child.seed is not None else None
             seq = _Sequence(request, parent, child, completion, detok, generator, stop_holdback(child.stop_strings))
             seq.grammar = grammars[index]
+            if resumed:
+                _replay_streamed(seq, resumed)
             parent.sequences.append(seq)
             output.outputs.append(completion)
             self._sequences[request.request_id] = seq

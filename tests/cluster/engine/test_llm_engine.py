@@ -10,6 +10,7 @@ from flotilla.cluster.engine.llm_engine import LLMEngine
 from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.cluster.models.sources import resolve_model_source
 from flotilla.resolution import ModelFacts, ServerArgs, preset, resolve
+from helpers.margins import ENGINE_MIN_LEAD
 from helpers.tiny_models import save_tiny_llama
 
 VOCAB = 256
@@ -182,6 +183,66 @@ def test_stream_yields_deltas_that_add_up_and_hold_back_stop_prefixes(model_dir,
     rest = list(engine.stream(other))
     assert sum(len(d.token_ids) for d in rest) == 24
     assert "".join(d.text for d in rest) == engine.pop_output(other).outputs[0].text
+
+
+TOP = 8
+
+
+def _penalized_lead(step, chosen: int, counts: dict[int, int], penalty: float) -> float:
+    """A lower bound on how far the frequency-penalized greedy choice ``chosen`` leads every
+    other token, from one step's raw log-probs (the ``TOP`` best, and the chosen one's): a
+    token outside them is below the ``TOP``-th before its penalty, which only lowers it."""
+    penalized = {t: e.logprob - penalty * counts.get(t, 0) for t, e in step.items()}
+    floor = min(e.logprob for e in step.values() if e.rank <= TOP)
+    return penalized[chosen] - max([v for t, v in penalized.items() if t != chosen] + [floor])
+
+
+def _stream_tokens_and_text(deltas):
+    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
+
+
+@pytest.mark.parametrize("tokenizer", [LetterTokenizer(), ByteTokenizer()], ids=["letters", "bytes"])
+@pytest.mark.parametrize("share", [0.0, 0.5, 0.9])
+def test_a_resumed_request_streams_what_the_undisturbed_one_would_have(model_dir, tokenizer, share):
+    """A migrated request (resumed_token_ids: what another engine streamed before it stopped)
+    goes on exactly where the stream was cut: the same next tokens (the frequency penalty
+    counts the resumed tokens as generated ones), the same text (held-back stop prefixes and split
+    multi-byte characters included), the same stop and the same finish."""
+    engine = make_engine(model_dir[0], tokenizer)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=1.5)
+    (free,) = run(engine, [PROMPT], plain)
+    # A stop string late in the text: its prefixes are held back at every earlier step.
+    text = free.outputs[0].text
+    stop = text[len(text) * 3 // 4 :][:2]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=1.5, stop=stop, logprobs=TOP)
+    whole = list(engine.stream(engine.add_request(PROMPT, params, stream=True)))
+    assert len(whole) >= 4 and whole[-1].finish_reason == "stop"
+    # NOTE: the resumed tokens are computed in one prefill, not step by step: every greedy
+    # choice must lead by more than the two computations can differ (helpers.margins).
+    counts: dict[int, int] = {}
+    for delta in whole:
+        (chosen,), (step,) = delta.token_ids, delta.logprobs
+        assert _penalized_lead(step, chosen, counts, 1.5) > ENGINE_MIN_LEAD, f"greedy near-tie at {delta}"
+        counts[chosen] = counts.get(chosen, 0) + 1
+    cut = max(1, int(share * len(whole)))  # NOTE: one token per delta; at least one is resumed
+    streamed_tokens, streamed_text = _stream_tokens_and_text(whole[:cut])
+    rid = engine.add_request(PROMPT, params, stream=True, resumed_token_ids=streamed_tokens)
+    rest = list(engine.stream(rid))
+    assert _stream_tokens_and_text(rest) == _stream_tokens_and_text(whole[cut:])
+    assert streamed_text + _stream_tokens_and_text(rest)[1] == _stream_tokens_and_text(whole)[1]
+    assert (rest[-1].finish_reason, rest[-1].stop_reason) == (whole[-1].finish_reason, whole[-1].stop_reason)
+    out = engine.pop_output(rid).outputs[0]
+    assert out.token_ids == _stream_tokens_and_text(whole)[0]
+    assert engine.scheduler.pool.num_used_blocks == 0
+
+
+def test_resumed_tokens_are_refused_where_they_cannot_resume(model_dir):
+    engine = make_engine(model_dir[0])
+    with pytest.raises(ValueError, match=r"resumed_token_ids: only a generating request with n=1 resumes \(got n=2"):
+        engine.add_request(PROMPT, SamplingParams(n=2, max_tokens=4), resumed_token_ids=[1])
+    with pytest.raises(ValueError, match="resumed_token_ids: 4 tokens already reach max_tokens=4"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=4), resumed_token_ids=[1, 2, 3, 4])
+    assert not engine.has_unfinished_requests()
 
 
 def test_iter_outputs_runs_everything_to_completion(model_dir):
