@@ -49,12 +49,15 @@ is resolved once, here, then:
   resolved here, once. ``--elastic-ep-autoscale`` lets the replica grow itself when its
   queue, KV usage or TTFT stay above thresholds for a window (the
   ``--elastic-ep-autoscale-*`` knobs; see :mod:`flotilla.serve.ep_autoscale`).
-- It then blocks until Ctrl-C or SIGTERM and shuts the application down cleanly.
+- It then blocks until Ctrl-C or SIGTERM, drains (:mod:`flotilla.serve.drain`: new
+  requests get 503 with ``Retry-After``, requests in flight finish for up to
+  ``--shutdown-timeout``; a second signal stops at once) and shuts the application down.
   ``--non-blocking`` (as in ``serve run``) returns once ready instead, leaving the
   application on the cluster (for jobs; needs a running cluster); remove it with
-  ``serve shutdown`` or ``serve delete flotilla``. ``ray job stop`` sends SIGTERM and
-  kills the driver 3 s later (``RAY_JOB_STOP_WAIT_TIME_S``); Serve still finishes
-  shutting down on the cluster.
+  ``serve shutdown`` or ``serve delete flotilla`` (no drain of the proxy's streams: see
+  docs/configuration.md). ``ray job stop`` sends SIGTERM and kills the driver 3 s later
+  (``RAY_JOB_STOP_WAIT_TIME_S``): inside a job the drain ends 2 s before that, and Serve
+  still finishes shutting down on the cluster.
 
 Exit status 2, with the reason on stderr, for a bad flag or a rejected configuration;
 1 when the application fails to start (e.g. the model does not load), after cleaning up.
@@ -88,10 +91,12 @@ from flotilla.resolution.runtime_support import UnsupportedSettingsError, noop_n
 from flotilla.serve.ep_autoscale_driver import AUTOSCALE_ARGS, elastic_autoscale_options
 from flotilla.serve.loopback import use_loopback_only
 from flotilla.serve.types import (
+    AUTOSCALING_FLAGS,
     MAX_STREAM_BATCH_MS,
     ROUTER_CLASSES,
     ElasticAutoscaleOptions,
     ServeOptions,
+    parse_autoscaling,
     pool_placement_strategies,
 )
 
@@ -99,6 +104,11 @@ from flotilla.serve.types import (
 READY_TIMEOUT_S = 120.0
 # The question the printed curl line asks.
 SAMPLE_QUESTION = "What is the capital of France?"
+# `ray job stop` SIGKILLs the driver this long after its SIGTERM unless RAY_JOB_STOP_WAIT_TIME_S
+# says otherwise (Ray 2.60's job supervisor); the drain leaves JOB_STOP_MARGIN_S of it to
+# shut Serve down.
+DEFAULT_JOB_STOP_WAIT_S = 3.0
+JOB_STOP_MARGIN_S = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +151,32 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 50, as Ray Serve LLM; 0: a chunk every --stream-interval tokens)",
     )
     limits = ServeOptions()  # NOTE: the defaults shown in the help
+    faults = parser.add_argument_group("faults and shutdown")
+    faults.add_argument(
+        "--migration-limit",
+        type=int,
+        default=None,
+        help="how many times a request whose engine replica stopped is re-submitted to a live one with the "
+        f"tokens already streamed, the client seeing one stream (default {limits.migration_limit}; 0: off)",
+    )
+    faults.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="a stopping engine replica refuses new requests and lets in-flight ones finish for up to this "
+        f"many seconds (default {limits.shutdown_timeout_s:g})",
+    )
+    scaling = parser.add_argument_group("replica autoscaling (Serve's autoscaling_config, as JSON)")
+    for flag, pool in (
+        ("--autoscaling-config", "the colocated engine pool"),
+        ("--prefill-autoscaling-config", "the prefill pool (with --disaggregation-mode pd)"),
+        ("--decode-autoscaling-config", "the decode pool (with --disaggregation-mode pd)"),
+    ):
+        scaling.add_argument(
+            flag, metavar="JSON", default=None,
+            help=f"scale {pool} between min_replicas and max_replicas on its ongoing requests, e.g. "
+            "'{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 8}' (default: a fixed count)",
+        )  # fmt: skip
     clients = parser.add_argument_group("limits on clients")
     clients.add_argument(
         "--max-prompts-per-request",
@@ -357,6 +393,7 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
     for name, least, inclusive in (
         ("max_prompts_per_request", 1, True), ("max_header_bytes", 1024, True), ("request_body_timeout_s", 0, False),
         ("http_keep_alive_timeout_s", 0, True), ("http_request_timeout_s", 0, False),
+        ("migration_limit", 0, True), ("shutdown_timeout", 0, True),
     ):  # fmt: skip
         value = getattr(opts, name)
         if value is not None and not (value >= least if inclusive else value > least):
@@ -377,8 +414,17 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[
     if pd and opts.num_replicas is not None:
         raise ArgumentError("--num-replicas sizes the colocated pool; with --disaggregation-mode pd use --prefill-replicas and --decode-replicas")
     opts.elastic_autoscale = elastic_autoscale_options({name: getattr(opts, name) for name in AUTOSCALE_ARGS})
+    opts.autoscaling = _autoscaling_flags(opts)
     given = {k: v for k, v in vars(opts).items() if k in FIELDS}
     return opts, given
+
+
+def _autoscaling_flags(opts: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``ServeOptions.autoscaling`` from the ``--*autoscaling-config`` flags (JSON objects)."""
+    try:
+        return parse_autoscaling({name: getattr(opts, name, None) for name in AUTOSCALING_FLAGS.values()}, as_flags=True)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
 
 
 def plan_for(opts: argparse.Namespace, given: dict[str, Any], platform: Any = None) -> Any:
@@ -415,6 +461,9 @@ def plan_for(opts: argparse.Namespace, given: dict[str, Any], platform: Any = No
         max_header_bytes=getattr(opts, "max_header_bytes", None),
         http_keep_alive_timeout_s=getattr(opts, "http_keep_alive_timeout_s", None),
         http_request_timeout_s=getattr(opts, "http_request_timeout_s", None),
+        migration_limit=getattr(opts, "migration_limit", None),
+        shutdown_timeout_s=getattr(opts, "shutdown_timeout", None),
+        autoscaling=getattr(opts, "autoscaling", None),
     )
 
 
@@ -474,6 +523,7 @@ def run_serve(argv: Sequence[str]) -> int:
             "flotilla serve: note: Serve is already running on this cluster; its HTTP options stay as they are",
             file=sys.stderr,
         )
+    board = _start_drain_board() if not opts.non_blocking else None
     try:
         url = deploy(plan)
     except KeyboardInterrupt:
@@ -488,7 +538,8 @@ def run_serve(argv: Sequence[str]) -> int:
     sys.stdout.flush()
     if opts.non_blocking:
         return 0
-    _wait_for_interrupt()
+    got = _wait_for_interrupt()
+    _drain(board, options.shutdown_timeout_s, got)
     print("flotilla serve: shutting down", file=sys.stderr)
     _shutdown(started_local, serve_was_running)
     return 0
@@ -632,10 +683,20 @@ def ready_message(url: str, options, config, blocking: bool = True) -> str:
     if options.api_key:
         curl += ' -H "Authorization: Bearer $FLOTILLA_API_KEY"'
     curl += f" -d {shlex.quote(json.dumps(body))}"
+    def count(group: str, fixed: int) -> str:
+        scaling = options.autoscaling_for(group)
+        if scaling is None:
+            return str(fixed)
+        return f"{scaling.get('min_replicas', 1)}-{scaling['max_replicas']} (autoscaled)"
+
     if options.disaggregation_mode == "pd":
-        replicas = f"PD: {options.prefill_replicas} prefill + {options.decode_replicas} decode replicas, KV by {options.kv_transport}"
+        replicas = (
+            f"PD: {count('prefill', options.prefill_replicas)} prefill + {count('decode', options.decode_replicas)} "
+            f"decode replicas, KV by {options.kv_transport}"
+        )
     else:
-        replicas = f"{options.num_replicas} engine replica{'s' if options.num_replicas != 1 else ''}"
+        engines = count("engine", options.num_replicas)
+        replicas = f"{engines} engine replica{'' if engines == '1' else 's'}"
         plan = options.elastic_plan
         if plan is not None:
             auto = ", autoscaled" if options.elastic_autoscale.enabled else ""
@@ -657,10 +718,14 @@ def ready_message(url: str, options, config, blocking: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _wait_for_interrupt() -> None:
-    """Block until Ctrl-C or SIGTERM (``ray job stop`` sends SIGTERM)."""
+def _wait_for_interrupt() -> str:
+    """Block until Ctrl-C or SIGTERM (``ray job stop`` sends SIGTERM); returns which
+    (``"SIGINT"`` or ``"SIGTERM"``)."""
+    got = "SIGINT"
 
     def on_term(signum, frame):
+        nonlocal got
+        got = "SIGTERM"
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
@@ -669,6 +734,73 @@ def _wait_for_interrupt() -> None:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return got
+
+
+def _start_drain_board() -> Any:
+    """The drain board of this deployment (:mod:`flotilla.serve.drain`); None, with a note,
+    when it cannot be made (the application then stops without a drain)."""
+    from flotilla.serve.drain import start_drain_board
+
+    try:
+        return start_drain_board()
+    except Exception as exc:  # noqa: BLE001 - serving matters more than the drain
+        print(f"flotilla serve: note: no graceful drain on shutdown: {exc}", file=sys.stderr)
+        return None
+
+
+def drain_budget_s(shutdown_timeout_s: float, environ: Any = os.environ) -> float:
+    """How long the drain may take: ``--shutdown-timeout``, but inside a Ray job no longer
+    than ``ray job stop`` waits before its SIGKILL (``RAY_JOB_STOP_WAIT_TIME_S``, default 3,
+    less :data:`JOB_STOP_MARGIN_S` to shut Serve down after), so Serve is never left running."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in environ:  # NOTE: Ray sets it in a job's driver
+        return shutdown_timeout_s
+    try:
+        wait = float(environ.get("RAY_JOB_STOP_WAIT_TIME_S", DEFAULT_JOB_STOP_WAIT_S))
+    except ValueError:
+        wait = DEFAULT_JOB_STOP_WAIT_S
+    return max(0.0, min(shutdown_timeout_s, wait - JOB_STOP_MARGIN_S))
+
+
+def _drain(board: Any, shutdown_timeout_s: float, got: str) -> None:
+    """Drain the application before it is removed: new requests get 503, those in flight
+    finish for up to ``shutdown_timeout_s`` (:func:`flotilla.serve.drain.drain`). Nothing
+    with no board or a budget of 0; a second Ctrl-C or SIGTERM ends the drain early."""
+    from flotilla.serve.drain import drain
+
+    budget = drain_budget_s(shutdown_timeout_s)
+    if board is None or budget <= 0:
+        return
+    capped = "" if budget == shutdown_timeout_s else f" (capped by RAY_JOB_STOP_WAIT_TIME_S from {shutdown_timeout_s:g} s)"
+    print(
+        f"flotilla serve: {got}: draining: new requests get 503; requests in flight have {budget:g} s to finish "
+        f"(--shutdown-timeout){capped}; {got} again stops at once",
+        file=sys.stderr,
+    )
+    sys.stderr.flush()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        outcome = drain(board, budget, f"flotilla serve got {got}")
+    except KeyboardInterrupt:
+        print("flotilla serve: drain interrupted; stopping now", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - the drain is best effort; the shutdown must happen
+        print(f"flotilla serve: note: the drain failed ({exc}); stopping now", file=sys.stderr)
+    else:
+        if outcome.timed_out:
+            still = f"; {outcome.left} still had not ended" if outcome.left else ""
+            print(
+                f"flotilla serve: requests still ran after {budget:g} s (--shutdown-timeout): they ended with "
+                f"an error{still}",
+                file=sys.stderr,
+            )
+        else:
+            print(f"flotilla serve: drained in {outcome.waited_s:.1f} s", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

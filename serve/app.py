@@ -61,6 +61,7 @@ from flotilla.serve.types import (
     GenerateChunk,
     GenerateRequest,
     ServeOptions,
+    parse_autoscaling,
     placement_group_of,
 )
 
@@ -77,11 +78,11 @@ ROUTING_STATS_TIMEOUT_S = 5.0
 # engine's message), not Serve's router queue.
 ONGOING_HEADROOM = 8
 INGRESS_NUM_CPUS = 0.25
+# A stopping ingress replica outlives the engines' drain (--shutdown-timeout) by this much.
+INGRESS_SHUTDOWN_MARGIN_S = 5.0
 ENGINE_HEALTH_CHECK_PERIOD_S = 5.0
 # An engine step on a large model can hold the replica busy; health checks wait this long.
 ENGINE_HEALTH_CHECK_TIMEOUT_S = 30.0
-# A stopping engine replica lets in-flight requests finish for up to this long.
-ENGINE_GRACEFUL_SHUTDOWN_S = 10.0
 # A replica whose constructor fails (bad model, out of memory) is retried this often
 # before the deployment fails, so a bad start fails fast instead of looping.
 MAX_CONSTRUCTOR_RETRIES = 3
@@ -96,13 +97,14 @@ METRICS_TIMEOUT_S = 5.0
 OPTION_ARGS = (
     "router", "num_replicas", "num_ingress_replicas", "replica_num_cpus", "stream_batch_ms", "max_body_bytes", "placement",
     "placement_strategy", "max_prompts_per_request", "request_body_timeout_s", "max_header_bytes",
+    "migration_limit", "shutdown_timeout", "autoscaling_config",
 )  # fmt: skip
 # build() arguments of PD mode (``disaggregation_mode: pd``); see flotilla.serve.pd.
 # The PD pools' parallelism beyond prefill_tp / decode_tp (plan_serving's pool_sizes).
 POOL_SIZE_ARGS = ("prefill_dp", "decode_dp", "prefill_ep", "decode_ep", "decode_dcp")
 PD_OPTION_ARGS = (
     "prefill_replicas", "decode_replicas", "prefill_tp", "decode_tp", *POOL_SIZE_ARGS, "kv_transport",
-    "kv_load_failure_policy",
+    "kv_load_failure_policy", "prefill_autoscaling_config", "decode_autoscaling_config",
 )  # fmt: skip
 
 
@@ -270,6 +272,8 @@ def engine_deployment_options(
         "prefill": (PREFILL_DEPLOYMENT, options.prefill_replicas, "cache-aware"),
         "decode": (DECODE_DEPLOYMENT, options.decode_replicas, options.router),
     }[pool]
+    autoscaling = options.autoscaling_for(placement_group_of(pool))
+    most = options.max_replicas_of(placement_group_of(pool))
     on_gpu = (config.device or "cpu") == "cuda"
     actor: dict[str, Any] = {"num_cpus": options.replica_num_cpus}
     # NOTE: the replica actor goes where its ranks must go (placement), so the in-process rank
@@ -286,16 +290,18 @@ def engine_deployment_options(
         # run a CPU engine on one core; share this machine's cores among the replicas.
         threads = max(1, (os.cpu_count() or 1) // total_engine_replicas(options))
         actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    # NOTE: an autoscaling pool's count is Serve's to set (Serve refuses both).
+    count: dict[str, Any] = {"num_replicas": replicas} if autoscaling is None else {"autoscaling_config": autoscaling}
     return dict(
         name=name,
-        num_replicas=replicas,
+        **count,
         max_ongoing_requests=engine_capacity(config, options) + ONGOING_HEADROOM,
         # NOTE: reached when no replica can take a request (all at the bound above, or
         # restarting), or by a burst of calls waiting for their replica at once; Serve then
         # raises BackPressureError, which becomes a 429. The prompts of one request arrive
         # as such a burst: room for --max-prompts-per-request of them, so that the engine
         # replicas decide on the request whole.
-        max_queued_requests=int(options.max_queued_requests) * replicas + int(options.max_prompts_per_request),
+        max_queued_requests=int(options.max_queued_requests) * most + int(options.max_prompts_per_request),
         ray_actor_options=actor,
         request_router_config=RequestRouterConfig(
             request_router_class=router_class_path(router),
@@ -306,7 +312,7 @@ def engine_deployment_options(
         health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=ENGINE_HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_wait_loop_s=1.0,
-        graceful_shutdown_timeout_s=ENGINE_GRACEFUL_SHUTDOWN_S,
+        graceful_shutdown_timeout_s=options.shutdown_timeout_s,
         max_constructor_retry_count=MAX_CONSTRUCTOR_RETRIES,
     )
 
@@ -314,7 +320,8 @@ def engine_deployment_options(
 def cpus_needed(plan: ServePlan) -> float:
     """The logical CPUs the plan's application reserves on a Ray cluster: every engine
     replica's ``replica_num_cpus``, a CPU bundle per rank of a replica whose ranks run in worker
-    actors (and of an elastic EP deployment's joiners at its largest size), the ingress's."""
+    actors (and of an elastic EP deployment's joiners at its largest size), the ingress's; an
+    autoscaling pool at its ``max_replicas``."""
     options = plan.options
 
     def pool(config: ResolvedConfig, name: str, replicas: int) -> float:
@@ -322,26 +329,28 @@ def cpus_needed(plan: ServePlan) -> float:
         return replicas * (options.replica_num_cpus + ranks * CPU_BUNDLE_SHARE)
 
     if plan.pd:
-        engines = pool(plan.config, "prefill", options.prefill_replicas) + pool(plan.decode_config, "decode", options.decode_replicas)
+        engines = pool(plan.config, "prefill", options.max_replicas_of("prefill")) + pool(
+            plan.decode_config, "decode", options.max_replicas_of("decode")
+        )
     else:
-        engines = pool(plan.config, "colocated", options.num_replicas)
+        engines = pool(plan.config, "colocated", options.max_replicas_of("engine"))
         if options.elastic_plan is not None:
             engines += (options.elastic_plan.max_ep_size - options.elastic_plan.initial_size) * CPU_BUNDLE_SHARE
     return engines + INGRESS_NUM_CPUS * options.num_ingress_replicas
 
 
 def total_engine_replicas(options: ServeOptions) -> int:
-    """Engine replicas of the application (both pools in PD mode)."""
+    """Engine replicas of the application (both pools in PD mode; an autoscaling pool at its most)."""
     if options.disaggregation_mode == "pd":
-        return options.prefill_replicas + options.decode_replicas
-    return options.num_replicas
+        return options.max_replicas_of("prefill") + options.max_replicas_of("decode")
+    return options.max_replicas_of("engine")
 
 
 def ingress_deployment_options(config: ResolvedConfig, options: ServeOptions) -> dict[str, Any]:
     """``Deployment.options`` of the ingress: ``options.num_ingress_replicas`` replicas, each
     with room for every request the engine pool accepts (the engines' own bounds answer 429
     first); beyond that the proxy answers 429 itself."""
-    serving = options.decode_replicas if options.disaggregation_mode == "pd" else options.num_replicas
+    serving = options.max_replicas_of("decode" if options.disaggregation_mode == "pd" else "engine")
     pool = engine_capacity(config, options) * serving + ONGOING_HEADROOM
     return dict(
         name=INGRESS_DEPLOYMENT,
@@ -350,6 +359,9 @@ def ingress_deployment_options(config: ResolvedConfig, options: ServeOptions) ->
         max_queued_requests=pool,
         backpressure_config={"status_code": 429, "retry_after_s": 1},
         ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+        # NOTE: the ingress carries the engines' streams (and their migration) while they drain.
+        graceful_shutdown_timeout_s=options.shutdown_timeout_s + INGRESS_SHUTDOWN_MARGIN_S,
+        graceful_shutdown_wait_loop_s=1.0,
     )
 
 
@@ -480,6 +492,15 @@ def parse_build_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     return {name: parsed.values[name] for name in parsed.explicit}, option_args
 
 
+def _autoscaling_arg(option_args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``ServeOptions.autoscaling`` from the ``autoscaling_config``, ``prefill_autoscaling_config``
+    and ``decode_autoscaling_config`` arguments: mappings, or their JSON text."""
+    try:
+        return parse_autoscaling(option_args)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+
+
 def _placement_arg(value: Any) -> dict[str, dict[str, float]]:
     """The ``placement`` argument: a mapping, or its JSON text (``serve run ... placement='{...}'``)."""
     if value is None:
@@ -577,6 +598,9 @@ def build(args: dict[str, Any]) -> Application:
         max_prompts_per_request=opt("max_prompts_per_request", int),
         request_body_timeout_s=opt("request_body_timeout_s", float),
         max_header_bytes=opt("max_header_bytes", int),
+        migration_limit=opt("migration_limit", int),
+        shutdown_timeout_s=opt("shutdown_timeout", float),
+        autoscaling=_autoscaling_arg(option_args),
     )
     logger.info("serving %s (config %s)", plan.options.served_model_name, plan.config.digest[:16])
     return build_application(plan)

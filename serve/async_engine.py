@@ -60,11 +60,14 @@ from flotilla.serve.metrics import EngineMetrics
 from flotilla.serve.types import (
     CompletionChunk,
     EngineOverloadedError,
-    EngineUnavailableError,
     GenerateChunk,
     GenerateRequest,
     ReplicaLoad,
+    ReplicaLostError,
 )
+
+# The pause before a second attempt to rebuild a failed runner; it doubles at each next one.
+RESTART_BACKOFF_S = 1.0
 
 # NOTE: KVTransferExpired is re-exported: it is part of this module's API.
 __all__ = ["AsyncEngine", "KVTransferExpired"]
@@ -132,6 +135,12 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
             0: a chunk as soon as ``stream_interval`` tokens are pending. The engine replica
             sets it from ``ServeOptions.stream_batch_ms``: every chunk crosses Ray streaming
             hops and becomes an SSE frame, which cost more than the engine's step on a GPU.
+        restart_attempts: when the runner fails (a rank died), the engine thread rebuilds it
+            (``LLMEngine.restart``: a fresh worker group, the gang restarted) up to this many
+            times, :data:`RESTART_BACKOFF_S` apart, before the engine is dead. Meanwhile new
+            requests are refused with :class:`ReplicaLostError` (the ingress migrates them:
+            :mod:`~flotilla.serve.migration`), ``healthy`` is False and ``restarting`` says
+            why. 0 (default): the first failure kills the engine (Serve replaces the replica).
 
     The PD commands (:meth:`prefill`, :meth:`generate_prefilled`, mixed in from
     :class:`~flotilla.serve.async_engine_pd.PDCommands`) need a runner with a KV
@@ -149,7 +158,11 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         retry_after_s: int = 1,
         pool: str = "colocated",
         stream_batch_s: float = 0.0,
+        restart_attempts: int = 0,
     ):
+        if isinstance(restart_attempts, bool) or not isinstance(restart_attempts, int) or restart_attempts < 0:
+            raise ValueError(f"restart_attempts must be an integer >= 0, got restart_attempts={restart_attempts!r}")
+        self.restart_attempts = restart_attempts
         if isinstance(max_queued_requests, bool) or not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise ValueError(
                 f"max_queued_requests must be an integer >= 1, got max_queued_requests={max_queued_requests!r}"
@@ -171,6 +184,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         self._queued_adds = 0
         self._snapshot: tuple[int, int, float] = (0, 0, 0.0)
         self._dead: str | None = None
+        self._restarting: str | None = None  # NOTE: why the runner is being rebuilt, meanwhile
         self._stopping = False
         self._prefix_keys: OrderedDict[int, None] = OrderedDict()
         # Multi-prompt requests seen lately (oldest first) and the queue slots held for them.
@@ -204,13 +218,17 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         pool: str = "colocated",
         runner_spec: Any = None,
         stream_batch_s: float = 0.0,
+        restart_attempts: int = 0,
     ) -> "AsyncEngine":
         """Build the :class:`LLMEngine` (``config``: the ResolvedConfig, ``source``: the
         ModelSource, ``tokenizer``: an HF tokenizer or None, ``runner_spec``: how its runner is
         built, a :class:`~flotilla.cluster.engine.runner_factory.RunnerSpec` or None, see
-        ``LLMEngine``) and drive it (``stream_batch_s``: see the class)."""
+        ``LLMEngine``) and drive it (``stream_batch_s``, ``restart_attempts``: see the class)."""
         engine = LLMEngine(config, source, tokenizer, runner_spec=runner_spec)
-        return cls(engine, max_queued_requests, replica_id=replica_id, pool=pool, stream_batch_s=stream_batch_s)
+        return cls(
+            engine, max_queued_requests, replica_id=replica_id, pool=pool, stream_batch_s=stream_batch_s,
+            restart_attempts=restart_attempts,
+        )  # fmt: skip
 
     # -- the asyncio side ------------------------------------------------------------
 
@@ -398,8 +416,14 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
     @property
     def healthy(self) -> bool:
         with self._cond:
-            ok = self._dead is None and not self._stopping
+            ok = self._dead is None and self._restarting is None and not self._stopping
         return ok and self._thread.is_alive()
+
+    @property
+    def restarting(self) -> str | None:
+        """Why the engine thread is rebuilding a failed runner (see ``restart_attempts``), or None."""
+        with self._cond:
+            return self._restarting
 
     @property
     def dead_reason(self) -> str | None:
@@ -429,9 +453,11 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
 
     def _raise_if_unavailable(self) -> None:
         if self._dead is not None:
-            raise EngineUnavailableError(f"the engine replica is dead: {self._dead}")
+            raise ReplicaLostError(f"the engine replica is dead: {self._dead}")
         if self._stopping:
-            raise EngineUnavailableError("the engine replica is shutting down")
+            raise ReplicaLostError("the engine replica is shutting down")
+        if self._restarting is not None:
+            raise ReplicaLostError(f"the engine replica is restarting its worker group ({self._restarting})")
 
     def _submit(self, command: _Abort) -> None:
         with self._cond:
@@ -465,7 +491,7 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                     self._stepped_since_trim = True
                 if self._handoff.leases:
                     self._handoff.expire_leases()
-                if self.engine.dead is not None:
+                if self.engine.dead is not None and not self._restart(str(self.engine.dead)):
                     self._die(str(self.engine.dead))
                     return
                 if self._heap_trim_due() and not self.engine.has_unfinished_requests():
@@ -539,6 +565,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         request = command.request
         try:
             if isinstance(command, _AddPrefilled):
+                if request.resumed_token_ids:
+                    raise ValueError("resumed_token_ids: a migrated request is computed whole, never from a prefill ticket")
                 self._handoff.add_prefilled(command)
             else:
                 hold_kv = isinstance(command, _Prefill)
@@ -548,13 +576,14 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                     request_id=command.engine_id,
                     hold_kv=hold_kv,
                     priority=request.priority,
+                    resumed_token_ids=request.resumed_token_ids,
                 )
         except (ValueError, KVHandoffError, NotImplementedError) as exc:
             # NOTE: bad input, or a failed KV load under policy "fail": nothing was queued.
             self._deliver([(command.engine_id, command.stream, exc)])
             return
         except EngineDeadError as exc:
-            self._deliver([(command.engine_id, command.stream, EngineUnavailableError(str(exc)))])
+            self._deliver([(command.engine_id, command.stream, ReplicaLostError(str(exc)))])
             return
         except Exception as exc:
             # NOTE: not a bad input: the engine's state is suspect, so the loop dies (the
@@ -662,6 +691,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
             chunk.completion_tokens = sum(len(c.token_ids) for c in output.outputs)
             chunk.cached_tokens = output.num_cached_tokens
             chunk.error = output.error
+            # NOTE: failed because the runner did (a rank died), not because of the request.
+            chunk.replica_failed = output.error is not None and self.engine.dead is not None
             return chunk
         if live.pending and (not live.sent_first or self._due(live, now)):
             return self._take_chunk(live, now)
@@ -722,20 +753,55 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
         self.metrics.set_load(snapshot[0], snapshot[1] + queued, snapshot[2], scheduler.pool.num_used_blocks)
         self.metrics.kv_transfer_leased_blocks.set(self._handoff.leases.num_blocks)
 
+    def _restart(self, reason: str) -> bool:
+        """The runner failed: fail what the engine held (its requests migrate) and rebuild the
+        runner, up to ``restart_attempts`` times; whether the engine serves again."""
+        if self.restart_attempts <= 0 or self._stopping:
+            return False
+        with self._cond:
+            self._restarting = reason
+        logger.error("engine replica %s: %s; restarting its worker group", self.metrics.replica_id, reason)
+        self._fail_held(reason)
+        for attempt in range(self.restart_attempts):
+            if attempt:
+                time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
+            started = time.monotonic()
+            try:
+                self.engine.restart()
+            except Exception:  # noqa: BLE001 - logged; the next attempt, or the engine dies
+                logger.exception("engine replica %s: restart %d of %d failed", self.metrics.replica_id, attempt + 1, self.restart_attempts)
+                continue
+            self.metrics.engine_restarts.inc()
+            logger.warning(
+                "engine replica %s restarted its worker group in %.1f s (attempt %d of %d)",
+                self.metrics.replica_id, time.monotonic() - started, attempt + 1, self.restart_attempts,
+            )  # fmt: skip
+            with self._cond:
+                self._restarting = None
+            self._publish_load(0)
+            return True
+        return False
+
     def _die(self, reason: str, dead: bool = True) -> None:
         """Fail every request still held and every queued add; refuse new requests."""
         with self._cond:
             if dead:
                 self._dead = reason
                 logger.error("engine replica %s is dead: %s", self.metrics.replica_id, reason)
+        self._fail_held(reason)
+
+    def _fail_held(self, reason: str) -> None:
+        """Fail every request still held (a last chunk with ``replica_failed``) and every
+        queued add or call (:class:`ReplicaLostError`), for ``reason``; release the leases."""
+        with self._cond:
             commands, self._commands = self._orphans + self._commands, []
             self._orphans, self._queued_adds = [], 0
         out: list[tuple[str, _Stream, Any]] = []
         for command in commands:
             if isinstance(command, _Add):
-                out.append((command.engine_id, command.stream, EngineUnavailableError(reason)))
+                out.append((command.engine_id, command.stream, ReplicaLostError(reason)))
             elif isinstance(command, _Call):
-                out.append(("", command.stream, EngineUnavailableError(reason)))
+                out.append(("", command.stream, ReplicaLostError(reason)))
         self._handoff.release_all()
         for engine_id, live in list(self._live.items()):
             try:
@@ -748,7 +814,8 @@ class AsyncEngine(PDCommands, ElasticEPCommands):
                     chunk.finish_reason = "error"
                     self.metrics.record_finished("error")
             chunk = self._take_chunk(live, time.monotonic())
-            chunk.finished, chunk.error = True, reason
+            # NOTE: the request is not at fault: the ingress may migrate it (flotilla.serve.migration).
+            chunk.finished, chunk.error, chunk.replica_failed = True, reason, True
             chunk.prompt_tokens = len(live.add.request.prompt_token_ids)
             chunk.completion_tokens = live.num_tokens
             out.append((engine_id, live.add.stream, chunk))

@@ -63,6 +63,17 @@ from flotilla.serve.types import GenerateChunk, GenerateRequest, ReplicaPin, Ser
 
 logger = logging.getLogger(__name__)
 
+# How often a colocated replica rebuilds its worker group after a rank failed (with back-off,
+# AsyncEngine.RESTART_BACKOFF_S) before its engine is dead and Serve replaces the replica.
+GANG_RESTART_ATTEMPTS = 3
+
+
+def gang_restart_attempts(pool: str, options: ServeOptions) -> int:
+    """``AsyncEngine.restart_attempts`` of a replica: a colocated replica rebuilds its own
+    worker group; a PD replica is a KV peer by its runner's incarnation and an elastic EP
+    group's size is its scaler's, so those leave the rebuild to Serve (a new replica)."""
+    return GANG_RESTART_ATTEMPTS if pool == "colocated" and options.elastic_plan is None else 0
+
 
 class EngineReplica:
     """An :class:`AsyncEngine` over the model named by ``options.model``.
@@ -109,7 +120,7 @@ class EngineReplica:
         self.engine = AsyncEngine.from_config(
             config, self.source, tokenizer, options.max_queued_requests,
             replica_id=self.replica_id, pool=pool, runner_spec=self._runner_spec(),
-            stream_batch_s=options.stream_batch_ms / 1000.0,
+            stream_batch_s=options.stream_batch_ms / 1000.0, restart_attempts=gang_restart_attempts(pool, options),
         )  # fmt: skip
         # The KV peer this replica is to decode replicas (PD roles only).
         kv = self.engine.engine.runner.kv
@@ -248,7 +259,11 @@ class EngineReplica:
         return dataclasses.asdict(self.engine.load())
 
     async def check_health(self) -> None:
-        """Raise when the engine is dead (Serve then restarts this replica)."""
+        """Raise when the engine is dead (Serve then restarts this replica); not while the
+        engine rebuilds its worker group (bounded: ``GANG_RESTART_ATTEMPTS``), when ``health``
+        and ``is_healthy`` already say it is not serving."""
+        if self.engine.restarting is not None:
+            return
         if not self.engine.healthy:
             reason = self.engine.dead_reason or "the engine was shut down"
             raise RuntimeError(f"engine replica {self.replica_id} is unhealthy: {reason}")
@@ -258,11 +273,14 @@ class EngineReplica:
         return self.engine.healthy
 
     async def health(self) -> dict[str, Any]:
-        """``healthy``, ``reason`` (why not: the engine's death or shutdown; None when healthy),
+        """``healthy``, ``reason`` (why not: the engine's death, restart or shutdown; None when healthy),
         ``replica_id`` and ``pool``: what the ingress's pool watches probe. Answers at once
         (it reads the engine's state; nothing waits on the engine thread)."""
-        healthy = self.engine.healthy
-        reason = None if healthy else (self.engine.dead_reason or "the engine was shut down")
+        healthy, restarting = self.engine.healthy, self.engine.restarting
+        if restarting is not None:
+            reason = f"restarting its worker group: {restarting}"
+        else:
+            reason = None if healthy else (self.engine.dead_reason or "the engine was shut down")
         return {"healthy": healthy, "reason": reason, "replica_id": self.replica_id, "pool": self.pool}
 
     async def describe(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import logging
 import uuid
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from flotilla.serve.types import EngineOverloadedError, EngineUnavailableError, GenerateChunk
+from flotilla.serve.types import EngineOverloadedError, EngineUnavailableError, GenerateChunk, ReplicaLostError
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ def _own_internal_request_id() -> Iterator[None]:
 def engine_error(exc: BaseException) -> BaseException:
     """The contract's error for what a handle call raised: the replica's own exception
     (unwrapped from Ray's RayTaskError), ``EngineOverloadedError`` for Serve's
-    backpressure, ``EngineUnavailableError`` for a dead or unreachable replica; anything
-    else as it is."""
+    backpressure, :class:`ReplicaLostError` (an ``EngineUnavailableError``) for a dead or
+    unreachable replica; anything else as it is."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
@@ -69,7 +69,7 @@ def engine_error(exc: BaseException) -> BaseException:
         # NOTE: Ray's message names the actor, its pid, node address and namespace: the log
         # keeps them; the client gets a plain reason.
         logger.warning("an engine replica call failed: %s: %s", type(exc).__name__, exc)
-        return EngineUnavailableError("the engine replica serving this request stopped; retry the request")
+        return ReplicaLostError("the engine replica serving this request stopped; retry the request")
     return exc
 
 

@@ -4,9 +4,15 @@ Routes: ``POST /v1/chat/completions`` (structured outputs, tool calls, reasoning
 see docs/api.md), ``POST /v1/responses`` (OpenAI's Responses API, stateless, run as a chat
 request: :mod:`flotilla.serve.openai_responses`), ``POST /v1/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}``,
 ``POST /v1/embeddings`` (:mod:`flotilla.serve.embeddings`), ``POST /tokenize`` and
-``POST /detokenize``, ``GET /health`` (503 when the engine is dead;
+``POST /detokenize``, ``GET /health`` (503 when the engine is dead or the server drains;
 no API key needed), ``GET /metrics`` (the ingress's HTTP metrics merged with the engine
 side's exposition).
+
+Draining (``flotilla serve`` got SIGTERM or Ctrl-C; :mod:`flotilla.serve.drain`): every new
+request but ``/metrics`` gets 503 with ``Retry-After`` and ``code: server_shutting_down``
+(``/health`` too, so load balancers stop sending); requests in flight run on until
+``--shutdown-timeout`` passes, when a stream still running ends with an error frame and
+``[DONE]`` and a request not yet answered gets 503.
 
 Elastic EP admin (vLLM's and SGLang's shapes; 404 unless the deployment is elastic,
 ``options.elastic_plan``): ``POST /scale_elastic_ep`` with ``{"new_ep_size": N}`` (vLLM's
@@ -68,8 +74,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from flotilla.serve.drain import DrainState, DrainWatch
 from flotilla.serve.elastic_ep import NEW_EP_SIZE, NEW_EP_SIZE_ALIAS, ElasticScaleError, not_elastic_message
 from flotilla.serve.metrics import merge_expositions
+from flotilla.serve.migration import migrating
 from flotilla.serve.openai_responses import ResponsesRequest, answer, chat_request_of, responses_params
 from flotilla.cluster.engine.limits import block_size_for
 from flotilla.cluster.engine.speculative import speculation_summary
@@ -95,12 +103,14 @@ from flotilla.serve.protocol import (
 )
 from flotilla.serve.request_log import RequestLogSettings, format_record, request_log, request_record
 from flotilla.serve.responses import (
+    SSE_DONE,
     EngineStreams,
     GenerationJob,
     chat_frames,
     completion_frames,
     engine_error,
     respond,
+    sse,
     unavailable,
 )
 from flotilla.serve.types import EngineClient, EngineUnavailableError, GenerateRequest, ServeOptions
@@ -117,6 +127,10 @@ ADMIN_ROUTES = ("/scale_elastic_ep", "/is_scaling_elastic_ep")
 _ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", *ADMIN_ROUTES)
 # Route labels of paths with a parameter (one label each, so a client cannot mint series).
 _ROUTE_PREFIXES = (("/v1/models/", "/v1/models/{id}"),)
+# Routes a drain does not count as in flight (probes and scrapes); /metrics still answers then.
+_UNCOUNTED_ROUTES = ("/health", "/metrics")
+# Bound on the wait for a request's handler to unwind once a drain's deadline cut it.
+CUT_UNWIND_S = 5.0
 # Logged at DEBUG: probes, scrapes and scale polls are frequent.
 _QUIET_ROUTES = ("/health", "/metrics", "/is_scaling_elastic_ep")
 
@@ -149,6 +163,7 @@ def create_app(
     # NOTE: no redirects for a trailing slash: the Location would echo the client's Host header.
     app = FastAPI(title="flotilla", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.add_middleware(_Observer, ingress=ingress, echo_request_id=echo_request_id)
+    ingress.drain.start()  # NOTE: in a Serve replica, watch for a drain from the start
     app.state.metrics_exposition = ingress.own_metrics
 
     @app.post("/v1/chat/completions")
@@ -414,6 +429,15 @@ class _Ingress:
             ["method", "path", *self._ingress_label],
             registry=self.registry,
         )
+        migrations = Counter(
+            "flotilla:requests_migrated",
+            "Requests re-submitted to another engine replica after theirs was lost (--migration-limit).",
+            [*self._ingress_label],
+            registry=self.registry,
+        )
+        self._count_migration = (migrations.labels(**self._ingress_label) if self._ingress_label else migrations).inc
+        # The drain of `flotilla serve` (SIGTERM): refuse new requests, count those in flight.
+        self.drain = DrainWatch(str(ingress_id or "local"))
 
     # -- small routes ------------------------------------------------------------------------
 
@@ -689,7 +713,9 @@ class _Ingress:
         iterators = []
         try:
             for r in requests:
-                iterators.append(self.engine.generate(r))
+                iterators.append(
+                    migrating(self.engine.generate, r, self.options.migration_limit, on_migrate=self._count_migration)
+                )
         except Exception as exc:
             await EngineStreams(iterators, prompt_param).close()
             raise engine_error(exc, prompt_param) from None
@@ -768,6 +794,8 @@ class _Observer:
             await send(message)
 
         path = scope.get("path", "")
+        drain = self.ingress.drain
+        drain.start()
         try:
             header_bytes = sum(len(name) + len(value) for name, value in scope.get("headers", ()))
             key, which = self._required_key(path)
@@ -778,8 +806,12 @@ class _Observer:
             elif key is not None and not _bearer_matches(headers, key):
                 message = f"missing or incorrect {which}; send it as 'Authorization: Bearer <key>'"
                 await error_response(APIError(401, message, code="invalid_api_key"))(scope, receive, send_observed)
-            else:
+            elif drain.state is not None and path != "/metrics":
+                await error_response(draining_error(drain.state))(scope, receive, send_observed)
+            elif path in _UNCOUNTED_ROUTES:
                 await self.app(scope, receive, send_observed)
+            else:
+                await self._serve_in_flight(scope, receive, send_observed)
         except asyncio.CancelledError:
             if not started:
                 status = CLIENT_CLOSED  # NOTE: the client left before any answer: not a server error
@@ -790,6 +822,33 @@ class _Observer:
                 status = CLIENT_CLOSED
         finally:
             self._observe(scope, path, status, time.perf_counter() - start, state)
+
+    async def _serve_in_flight(self, scope, receive, send) -> None:
+        """Serve one request, counted in flight for a drain; when the drain's deadline passes
+        first, cut it (:func:`_end_cut`)."""
+        drain = self.ingress.drain
+        sent = _SentState()
+
+        async def send_tracked(message) -> None:
+            sent.saw(message)
+            await send(message)
+
+        cut = drain.enter()
+        app = asyncio.ensure_future(self.app(scope, receive, send_tracked))
+        try:
+            await asyncio.wait((app, cut), return_when=asyncio.FIRST_COMPLETED)
+            if app.done():
+                app.result()  # NOTE: re-raises what the app raised
+                return
+            app.cancel()
+            await asyncio.wait((app,), timeout=CUT_UNWIND_S)
+            await _end_cut(drain.state, sent, scope, receive, send)
+        finally:
+            if not app.done():
+                # NOTE: this request was cancelled (its client left): so is its handler.
+                app.cancel()
+                await asyncio.wait((app,), timeout=CUT_UNWIND_S)
+            drain.leave(cut)
 
     def _required_key(self, path: str) -> tuple[str | None, str]:
         """The key ``path`` needs (None: open) and how the 401 names it: ``/health`` is open;
@@ -823,6 +882,56 @@ class _Observer:
         if settings.enabled and job is not None:
             line = request_record(settings, record, state.get("body"), job.output_texts())
             request_log.info(format_record(settings, line))
+
+
+class _SentState:
+    """What a response has sent so far: started, an SSE stream, finished."""
+
+    def __init__(self) -> None:
+        self.started = self.sse = self.finished = False
+
+    def saw(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            content_type = Headers(raw=message.get("headers", [])).get("content-type", "")
+            self.sse = content_type.startswith("text/event-stream")
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+
+
+def draining_error(state: DrainState) -> APIError:
+    """The 503 of a request that arrives while the server drains: why, and ``Retry-After``
+    (when this server is gone); ``Connection: close`` so the client reconnects (through a
+    load balancer, to another server)."""
+    retry = state.retry_after_s()
+    message = (
+        f"the server is shutting down ({state.reason}) and takes no new requests; "
+        f"retry in {retry} s, on another replica or once this server is back"
+    )
+    headers = {"Retry-After": str(retry), "Connection": "close"}
+    return APIError(503, message, type="server_error", code="server_shutting_down", headers=headers)
+
+
+def cut_error(state: DrainState | None) -> APIError:
+    """What a request still running when the drain's deadline passed gets."""
+    timeout = f" within --shutdown-timeout {state.timeout_s:g} s" if state is not None else ""
+    reason = f" ({state.reason})" if state is not None else ""
+    message = f"the server shut down{reason} before this request finished{timeout}; retry the request"
+    return APIError(503, message, type="server_error", code="server_shutting_down")
+
+
+async def _end_cut(state: DrainState | None, sent: _SentState, scope, receive, send) -> None:
+    """End a response the drain's deadline cut: a 503 when nothing was sent, an error frame and
+    ``[DONE]`` on an SSE stream, else just the end of the body."""
+    err = cut_error(state)
+    try:
+        if not sent.started:
+            await error_response(err)(scope, receive, send)
+        elif not sent.finished:
+            body = (sse(err.envelope()) + SSE_DONE).encode() if sent.sse else b""
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+    except Exception:  # noqa: BLE001 - the client or the proxy went already
+        logger.debug("the cut response could not be sent", exc_info=True)
 
 
 def _headers_too_large(size: int, limit: int) -> APIError:

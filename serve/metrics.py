@@ -132,6 +132,9 @@ class EngineMetrics:
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.engine_restarts = counter(
+            "engine_restarts", "Worker groups the replica rebuilt after a rank failed (its requests migrated)."
+        )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.kv_cache_used_blocks = gauge(

@@ -202,7 +202,8 @@ class PDEngineClient:
         pool (see the module docstring). Closing the iterator early cancels the decode
         call (the decode replica aborts and frees its blocks) and releases the prefill's."""
         prefill_pool = self._watch()
-        if not takes_handoff(request.params):
+        # NOTE: a migrated request (resumed_token_ids) is computed whole by a decode replica.
+        if request.resumed_token_ids or not takes_handoff(request.params):
             async for chunk in stream_chunks(call(self._decode_whole, request)):
                 yield chunk
             return

@@ -23,7 +23,7 @@ from flotilla.cluster.platform import probe_for_workers
 from flotilla.resolution import PlatformFacts, ResolutionError, ResolvedConfig
 from flotilla.serve.types import ElasticEPPlan
 from flotilla.serve.router import router_class_path
-from flotilla.serve.types import ElasticAutoscaleOptions, ServeOptions, pool_placement_strategies
+from flotilla.serve.types import AUTOSCALING_FLAGS, ElasticAutoscaleOptions, ServeOptions, pool_placement_strategies
 
 DEFAULT_SERVED_MODEL_NAME = "smollm2"
 
@@ -147,13 +147,17 @@ def serve_options(
     max_header_bytes: int | None = None,
     http_keep_alive_timeout_s: int | None = None,
     http_request_timeout_s: float | None = None,
+    migration_limit: int | None = None,
+    shutdown_timeout_s: float | None = None,
+    autoscaling: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> ServeOptions:
     """:class:`ServeOptions` for ``config``: ``max_queued_requests`` and ``api_key`` come
     from the config's fields; ``num_replicas`` defaults to the resolved ``dp_size`` (one
     replica when DP attention keeps the DP ranks inside one engine); ``num_ingress_replicas``
     to :class:`ServeOptions`' (2). The limits on hostile
     clients (``max_prompts_per_request``, ``request_body_timeout_s``, ``max_header_bytes``,
-    Serve's ``http_keep_alive_timeout_s`` and ``http_request_timeout_s``) default to
+    Serve's ``http_keep_alive_timeout_s`` and ``http_request_timeout_s``) and the fault
+    options (``migration_limit``, ``shutdown_timeout_s``) default to
     :class:`ServeOptions`' and are checked by :func:`check_client_limits`. PD mode
     (``disaggregation_mode="pd"``): one prefill and one decode replica by default;
     ``kv_transport="auto"`` is NIXL when it is installed, else the Ray-object fallback.
@@ -166,6 +170,7 @@ def serve_options(
     from flotilla.cluster.kv.endpoint import default_kv_transport
 
     defaults = ServeOptions()
+    num_replicas_given = num_replicas is not None
     if num_replicas is None:
         num_replicas = 1 if config.enable_dp_attention else int(config.dp_size or 1)
     router_class_path(router)
@@ -199,10 +204,28 @@ def serve_options(
         max_header_bytes=int(defaults.max_header_bytes if max_header_bytes is None else max_header_bytes),
         http_keep_alive_timeout_s=http_keep_alive_timeout_s,
         http_request_timeout_s=http_request_timeout_s,
+        migration_limit=defaults.migration_limit if migration_limit is None else migration_limit,
+        shutdown_timeout_s=defaults.shutdown_timeout_s if shutdown_timeout_s is None else shutdown_timeout_s,
+        autoscaling=_pool_autoscaling(autoscaling, disaggregation_mode == "pd", num_replicas_given),
     )  # fmt: skip
     check_elastic_options(options)
     check_client_limits(options)
     return options
+
+
+def _pool_autoscaling(autoscaling: Mapping[str, Mapping[str, Any]] | None, pd: bool, num_replicas_given: bool) -> dict[str, dict[str, Any]]:
+    """The pools' Serve autoscaling configs for the mode (ValueError naming the flag for a pool
+    of the other mode, or with ``--num-replicas``, which fixes the count it would scale)."""
+    chosen = {pool: dict(config) for pool, config in (autoscaling or {}).items()}
+    for pool in chosen:
+        flag = "--" + AUTOSCALING_FLAGS.get(pool, pool).replace("_", "-")
+        if pd and pool == "engine":
+            raise ValueError(f"{flag} scales the colocated pool; with --disaggregation-mode pd use --prefill-autoscaling-config and --decode-autoscaling-config")
+        if not pd and pool in ("prefill", "decode"):
+            raise ValueError(f"{flag} needs --disaggregation-mode pd")
+    if "engine" in chosen and num_replicas_given:
+        raise ValueError("--num-replicas fixes the count that --autoscaling-config scales; give one of them")
+    return chosen
 
 
 def check_client_limits(options: ServeOptions) -> None:
@@ -247,6 +270,11 @@ def check_elastic_options(options: ServeOptions) -> None:
         )
     if options.disaggregation_mode != "null":
         raise ValueError("elastic EP (--max-ep-size) grows a colocated deployment; drop --disaggregation-mode pd")
+    if options.autoscaling:
+        raise ValueError(
+            "--autoscaling-config: an elastic EP deployment is one engine replica whose group grows; scale it "
+            "with --elastic-ep-autoscale instead"
+        )
 
 
 # -- elastic EP joiners --------------------------------------------------------------------

@@ -58,8 +58,15 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 # -- errors ---------------------------------------------------------------------------------
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="service_unavailable")
+# Retry-After on a 503 for a lost or stopping engine: Serve replaces a dead replica in ~10-15 s
+# (the embedded model on 2 cores), and another replica may take the request at once.
+UNAVAILABLE_RETRY_AFTER_S = 2
+
+
+def unavailable(message: str, retry_after_s: int | None = None) -> APIError:
+    """A 503 in OpenAI's envelope; with ``retry_after_s``, a ``Retry-After`` header."""
+    headers = None if retry_after_s is None else {"Retry-After": str(int(retry_after_s))}
+    return APIError(503, message, type="server_error", code="service_unavailable", headers=headers)
 
 
 def engine_error(exc: BaseException, prompt_param: str) -> APIError:
@@ -80,8 +87,8 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError:
         param = param_of(message)
         return bad_request(message, prompt_param if param in ("prompt_token_ids", None) else param)
     if isinstance(exc, EngineUnavailableError):
-        return unavailable(f"the engine is unavailable: {exc}")
-    return unavailable(f"the engine failed the request: {type(exc).__name__}: {exc}")
+        return unavailable(f"the engine is unavailable: {exc}", UNAVAILABLE_RETRY_AFTER_S)
+    return unavailable(f"the engine failed the request: {type(exc).__name__}: {exc}", UNAVAILABLE_RETRY_AFTER_S)
 
 
 def _overloaded(exc: BaseException) -> bool:

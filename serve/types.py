@@ -9,7 +9,7 @@ and the ingress turns those into OpenAI responses or SSE frames.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Mapping, Protocol
 
 from flotilla.cluster.engine.outputs import StepLogprobs
 from flotilla.cluster.engine.sampling_params import SamplingParams
@@ -46,6 +46,9 @@ class GenerateRequest:
             group against its queue bound as all its prompts: the first to arrive is
             admitted only when all fit, and room is held for the rest; otherwise every
             prompt of the group is refused.
+        resumed_token_ids: a migrated request (``n == 1``): the tokens a replica that stopped
+            had already streamed; the receiving replica computes them as the request's first
+            outputs and streams what follows them (``LLMEngine.add_request``).
     """
 
     request_id: str
@@ -56,6 +59,7 @@ class GenerateRequest:
     priority: int | None = None
     group_id: str | None = None
     group_size: int = 1
+    resumed_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -101,6 +105,8 @@ class GenerateChunk:
             under PD the decode replica, or the prefill replica when the first token ends it).
         prefill_replica_id: under PD, the prefill replica that computed the prompt (set on
             the first chunk by the ingress's client; empty otherwise).
+        replica_failed: with ``error``: the replica failed the request because its engine died
+            or shut down, not because of the request; another replica may finish it.
     """
 
     request_id: str
@@ -113,6 +119,7 @@ class GenerateChunk:
     error: str | None = None
     replica_id: str = ""
     prefill_replica_id: str = ""
+    replica_failed: bool = False
 
     def absorb(self, later: GenerateChunk) -> None:
         """Fold ``later`` (the same request's next chunk) into this one, as if the engine
@@ -134,6 +141,7 @@ class GenerateChunk:
         self.finished = later.finished
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
         self.cached_tokens, self.error = later.cached_tokens, later.error
+        self.replica_failed = later.replica_failed
         if self.queue_time_s is None:
             self.queue_time_s = later.queue_time_s
 
@@ -212,7 +220,13 @@ class EngineUnavailableError(RuntimeError):
     The replica fails its health check so Serve restarts it."""
 
     def __reduce__(self):
-        return (EngineUnavailableError, (str(self),))
+        return (type(self), (str(self),))
+
+
+class ReplicaLostError(EngineUnavailableError):
+    """The engine replica that was to serve the request is gone or going (its actor died,
+    its engine died, it shuts down), through no fault of the request: another replica may
+    take it (:mod:`~flotilla.serve.migration`)."""
 
 
 @dataclass(frozen=True)
@@ -388,6 +402,21 @@ class ServeOptions:
             node). Set by :func:`pool_placement_strategies` from ``--placement-strategy``,
             ``--prefill-placement-strategy``, ``--decode-placement-strategy`` or the
             ``placement_strategy`` config key. Elastic EP joiners always PACK.
+        migration_limit: how many times the ingress re-submits a request whose engine replica
+            stopped while it ran (``--migration-limit``, Dynamo's name; default 1, 0: off): the
+            request goes to a live replica with its prompt and the tokens already streamed,
+            which that replica recomputes as the request's own outputs, so the client sees one
+            uninterrupted stream (:mod:`~flotilla.serve.migration`).
+        shutdown_timeout_s: a stopping engine replica (SIGTERM, ``serve shutdown``, a redeploy)
+            refuses new requests and lets its in-flight ones finish for up to this many seconds
+            (``--shutdown-timeout``, vLLM's name; Serve's ``graceful_shutdown_timeout_s``);
+            what is still running then is migrated or fails with a clear error.
+        autoscaling: Serve's ``autoscaling_config`` per pool (:data:`STRATEGY_POOLS`:
+            ``engine``, or PD's ``prefill`` and ``decode``): the pool's replica count follows
+            its ongoing requests between ``min_replicas`` and ``max_replicas``
+            (``--autoscaling-config``, ``--prefill-autoscaling-config``,
+            ``--decode-autoscaling-config``; the Serve keys of the same names). A pool it
+            leaves out keeps its fixed count. Checked by :func:`check_autoscaling`.
     """
 
     model: str | None = None
@@ -416,6 +445,9 @@ class ServeOptions:
     elastic_autoscale: ElasticAutoscaleOptions = field(default_factory=ElasticAutoscaleOptions)
     placement: dict[str, dict[str, float]] = field(default_factory=dict)
     placement_strategy: dict[str, str] = field(default_factory=dict)
+    migration_limit: int = 1
+    shutdown_timeout_s: float = 10.0
+    autoscaling: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
@@ -428,6 +460,15 @@ class ServeOptions:
         count = self.num_ingress_replicas
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"num_ingress_replicas must be an integer >= 1 (got num_ingress_replicas={count!r})")
+        check_autoscaling(self.autoscaling)
+        limit = self.migration_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"migration_limit must be an integer >= 0 (got migration_limit={limit!r})")
+        if isinstance(self.shutdown_timeout_s, bool) or not isinstance(self.shutdown_timeout_s, (int, float)) or not 0 <= self.shutdown_timeout_s <= MAX_SHUTDOWN_TIMEOUT_S:
+            raise ValueError(
+                f"shutdown_timeout_s must be a number of seconds in [0, {MAX_SHUTDOWN_TIMEOUT_S:g}] "
+                f"(got shutdown_timeout_s={self.shutdown_timeout_s!r})"
+            )
         if not 0 <= self.stream_batch_ms <= MAX_STREAM_BATCH_MS:
             raise ValueError(f"stream_batch_ms must be in [0, {MAX_STREAM_BATCH_MS:g}] ms (got stream_batch_ms={self.stream_batch_ms!r})")
 
@@ -435,11 +476,85 @@ class ServeOptions:
         """The extra Ray resources of ranks (and replica actors) of ``group`` (see ``placement``)."""
         return dict(self.placement.get(group, {}))
 
+    def autoscaling_for(self, group: str) -> dict[str, Any] | None:
+        """Serve's ``autoscaling_config`` of the pool ``group`` (see ``autoscaling``), or None."""
+        config = self.autoscaling.get(group)
+        return None if config is None else dict(config)
+
+    def max_replicas_of(self, group: str) -> int:
+        """The most replicas pool ``group`` runs: its ``max_replicas`` when it autoscales, else
+        its fixed count (what queue bounds and a local cluster's CPUs are sized for)."""
+        config = self.autoscaling.get(group)
+        if config is not None:
+            return int(config["max_replicas"])
+        return {"engine": self.num_replicas, "prefill": self.prefill_replicas, "decode": self.decode_replicas}[group]
+
     def placement_strategy_for(self, group: str) -> str:
         """The placement strategy of the worker groups of ``group``, one of
         :data:`STRATEGY_POOLS` (see ``placement_strategy``; PACK when it names none)."""
         return check_placement_strategy(self.placement_strategy.get(group, DEFAULT_PLACEMENT_STRATEGY))
 
+
+# The flag (and Serve key) that sets each pool's ServeOptions.autoscaling.
+AUTOSCALING_FLAGS = {"engine": "autoscaling_config", "prefill": "prefill_autoscaling_config", "decode": "decode_autoscaling_config"}
+
+
+def parse_autoscaling(values: Mapping[str, Any], as_flags: bool = False) -> dict[str, dict[str, Any]]:
+    """``ServeOptions.autoscaling`` from the values given under :data:`AUTOSCALING_FLAGS`'
+    names (``autoscaling_config``, ...): mappings, or their JSON text. ValueError naming the
+    flag (``as_flags``: ``--autoscaling-config``) or the Serve key and the value."""
+    import json
+
+    chosen: dict[str, dict[str, Any]] = {}
+    for pool, key in AUTOSCALING_FLAGS.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        name = "--" + key.replace("_", "-") if as_flags else key
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{name} must be a JSON object (or a mapping in YAML): {exc} (got {value!r})") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{name} must be a JSON object of Serve autoscaling_config fields (got {value!r})")
+        chosen[pool] = dict(value)
+    return chosen
+
+
+def check_autoscaling(autoscaling: Any) -> None:
+    """ValueError naming the flag and the value unless ``autoscaling`` maps pools of
+    :data:`STRATEGY_POOLS` to Serve ``autoscaling_config`` mappings that Serve accepts and
+    that name ``max_replicas``."""
+    if not isinstance(autoscaling, Mapping):
+        raise ValueError(f"autoscaling must map pools of {STRATEGY_POOLS} to Serve autoscaling configs (got {autoscaling!r})")
+    for pool, config in autoscaling.items():
+        if pool not in AUTOSCALING_FLAGS:
+            raise ValueError(f"autoscaling: {pool!r} is not a pool; choose from {', '.join(STRATEGY_POOLS)}")
+        flag = "--" + AUTOSCALING_FLAGS[pool].replace("_", "-")
+        if not isinstance(config, Mapping) or "max_replicas" not in config:
+            raise ValueError(f"{flag} must be a Serve autoscaling_config mapping with max_replicas (got {config!r})")
+        from ray.serve.config import AutoscalingConfig
+
+        known = set(getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__)
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"{flag}: {', '.join(map(repr, unknown))} are not Serve autoscaling_config fields; choose from {', '.join(sorted(known))}")
+        if int(config.get("min_replicas", 1)) < 1:
+            raise ValueError(
+                f"{flag}: min_replicas must be at least 1 (got {config.get('min_replicas')!r}): a pool scaled to zero "
+                "has nothing to answer /health or the first request with"
+            )
+        try:
+            AutoscalingConfig(**config)
+        except (TypeError, ValueError) as exc:
+            detail = " ".join(str(exc).split())
+            raise ValueError(f"{flag} is not a Serve autoscaling_config: {detail} (got {dict(config)!r})") from None
+
+
+# The longest ServeOptions.shutdown_timeout_s: an hour covers the longest generation a
+# deployment would wait for; beyond, an upgrade would hang on one stuck stream.
+MAX_SHUTDOWN_TIMEOUT_S = 3600.0
 
 # The longest ServeOptions.stream_batch_ms: a longer gap between a stream's chunks would read
 # as a stalled stream.

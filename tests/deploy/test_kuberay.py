@@ -96,6 +96,7 @@ _WORKER = (*_CLUSTER, "workerGroupSpecs", 0)
         ((*_WORKER, "minReplicas"), "1", "minReplicas"),
         ((*_WORKER, "groupName"), _DELETE, "workerGroupSpecs.0"),
         (("spec", "upgradeStrategy", "type"), "Recreate", "upgradeStrategy.type"),  # RayCluster's, not RayService's
+        (("spec", "upgradeStrategy", "type"), None, "upgradeStrategy.type"),  # `type: None` unquoted is fine; `~` is null
         ((*_CLUSTER, "enableInTreeAutoScaling"), True, "rayClusterConfig"),  # a misspelt field
         ((*_WORKER, "template", "spec", "containers", 0, "resources", "limits", "memory"), "128GB", "limits.memory"),
         (("metadata", "name"), "Flotilla_1", "metadata.name"),
@@ -122,6 +123,18 @@ def test_the_operator_would_accept_it(manifest):
     if cluster.get("authOptions", {}).get("mode", "token") == "token":
         assert tuple(map(int, cluster["rayVersion"].split("."))) >= (2, 52, 0)  # token auth's minimum Ray
         assert not cluster["authOptions"].get("enableK8sTokenAuth")  # unsupported for RayService
+
+
+def test_upgrades_need_no_second_cluster(manifest):
+    """``None``: KubeRay never starts a second RayCluster (``NewCluster`` would, with its own GPU
+    pods; ``NewClusterWithIncrementalUpgrade`` too, for this one-replica application, and it
+    needs the Gateway API and a feature gate). A serveConfigV2 change rolls in place through
+    Serve's replica drain (docs/configuration.md, shutdown)."""
+    strategy = manifest["spec"]["upgradeStrategy"]
+    assert strategy == {"type": "None"}, strategy
+    text = MANIFEST.read_text()
+    assert 'type: "None"' in text  # NOTE: quoted, so no YAML reader takes it for null
+    assert "NewCluster" in text and "shutdown_timeout_s" in text  # the comment says what the others cost
 
 
 def test_it_runs_the_ray_flotilla_pins(manifest):

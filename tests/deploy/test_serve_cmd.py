@@ -282,3 +282,64 @@ def test_a_dcp_decode_pool_sets_the_prefill_page_to_its_logical_block(tmp_path):
     assert prefill.page_size == 2 * block_size_for(decode) == 32
     assert not decode.disaggregation_decode_enable_radix_cache
     check_pd_options(prefill, decode, plan.options)
+
+
+# -- faults and autoscaling options ------------------------------------------------------------
+
+
+def test_migration_and_shutdown_flags_reach_the_options():
+    opts, given = parse_serve_args(["--migration-limit", "0", "--shutdown-timeout", "30", "--max-total-tokens", "2048"])
+    options = plan_for(opts, given).options
+    assert (options.migration_limit, options.shutdown_timeout_s) == (0, 30.0)
+    opts, given = parse_serve_args(["--max-total-tokens", "2048"])
+    assert (plan_for(opts, given).options.migration_limit, plan_for(opts, given).options.shutdown_timeout_s) == (1, 10.0)
+    with pytest.raises(ArgumentError, match="--migration-limit must be at least 0, got -1"):
+        parse_serve_args(["--migration-limit", "-1"])
+    with pytest.raises(ValueError, match=r"shutdown_timeout_s must be a number of seconds in \[0, 3600\] \(got shutdown_timeout_s=4000"):
+        ServeOptions(shutdown_timeout_s=4000.0)
+
+
+def test_autoscaling_config_sets_the_engine_deployment_s_count():
+    from flotilla.serve.app import engine_deployment_options, ingress_deployment_options, total_engine_replicas
+
+    scaling = '{"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4}'
+    opts, given = parse_serve_args(["--autoscaling-config", scaling, "--max-total-tokens", "2048"])
+    plan = plan_for(opts, given)
+    engine = engine_deployment_options(plan.config, plan.options)
+    assert "num_replicas" not in engine and engine["autoscaling_config"]["max_replicas"] == 3
+    # Queue bounds are sized for the most replicas the pool may run.
+    fixed = plan_for(*parse_serve_args(["--num-replicas", "3", "--max-total-tokens", "2048"]))
+    assert engine["max_queued_requests"] == engine_deployment_options(fixed.config, fixed.options)["max_queued_requests"]
+    assert ingress_deployment_options(plan.config, plan.options)["max_ongoing_requests"] == (
+        ingress_deployment_options(fixed.config, fixed.options)["max_ongoing_requests"]
+    )
+    assert total_engine_replicas(plan.options) == 3
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--autoscaling-config", "{nope"], ["--autoscaling-config must be a JSON object"]),
+        (["--autoscaling-config", "[1]"], ["--autoscaling-config must be a JSON object"]),
+        (["--autoscaling-config", '{"min_replicas": 1}'], ["--autoscaling-config", "with max_replicas"]),
+        (["--autoscaling-config", '{"max_replicas": 2, "target": 1}'], ["'target' are not Serve autoscaling_config fields"]),
+        (["--autoscaling-config", '{"min_replicas": 0, "max_replicas": 2}'], ["min_replicas must be at least 1 (got 0)"]),
+        (["--autoscaling-config", '{"min_replicas": 3, "max_replicas": 2}'], ["is not a Serve autoscaling_config", "min_replicas"]),
+        (["--autoscaling-config", '{"max_replicas": 2}', "--num-replicas", "2"], ["--num-replicas fixes the count"]),
+        (["--decode-autoscaling-config", '{"max_replicas": 2}'], ["--decode-autoscaling-config needs --disaggregation-mode pd"]),
+        (["--disaggregation-mode", "pd", "--autoscaling-config", '{"max_replicas": 2}'], ["--autoscaling-config scales the colocated pool"]),
+    ],
+)  # fmt: skip
+def test_bad_autoscaling_configs_are_refused_naming_the_flag(argv, words, capsys):
+    assert run_serve([*argv, "--max-total-tokens", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_each_pd_pool_takes_its_own_autoscaling_config():
+    from flotilla.serve.app import engine_deployment_options
+
+    argv = ["--disaggregation-mode", "pd", "--max-total-tokens", "2048", "--decode-autoscaling-config", '{"max_replicas": 2}']
+    plan = plan_for(*parse_serve_args(argv))
+    assert engine_deployment_options(plan.config, plan.options, "prefill")["num_replicas"] == 1
+    assert engine_deployment_options(plan.decode_config, plan.options, "decode")["autoscaling_config"] == {"max_replicas": 2}
