@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any, Hashable, Mapping, Sequence
 
 from flotilla.serve.prefix_tree import DEFAULT_CAPACITY_BLOCKS, PrefixTree
@@ -36,6 +37,10 @@ logger = logging.getLogger(__name__)
 TREE_NAMESPACE = "flotilla-routing"
 # How long a routing decision waits for the shared tree before ranking from the local one.
 VIEW_TIMEOUT_S = 0.25
+# After a decision timed out on the shared tree, decisions rank from the local tree this long
+# (the shared one still records them): a persistently slow actor would otherwise add
+# VIEW_TIMEOUT_S to every request.
+SLOW_BACKOFF_S = 5.0
 
 Blocks = Sequence[tuple[int, ...]]
 # The cache-aware policy's knobs: rank_cache_aware's threshold, slack and factor.
@@ -86,8 +91,12 @@ class SharedPrefixTree:
         block_size, capacity_blocks: as :class:`PrefixTreeService`.
     """
 
-    def __init__(self, name: str | None, block_size: int, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS):
+    def __init__(
+        self, name: str | None, block_size: int, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS, clock=time.monotonic
+    ):
         self.name = name
+        self._clock = clock
+        self._slow_until = 0.0  # NOTE: the clock's time until which decisions skip the shared tree
         self.local = PrefixTree(int(block_size), int(capacity_blocks))
         self._capacity = int(capacity_blocks)
         self._actor: Any = None
@@ -99,8 +108,9 @@ class SharedPrefixTree:
 
     async def rank(self, blocks: Blocks, candidates: Sequence[Candidate], policy: Policy) -> list[Hashable]:
         """:meth:`PrefixTreeService.rank` on the shared tree when it answers within
-        :data:`VIEW_TIMEOUT_S`, else on the local one; the local tree records the choice either way."""
-        actor = self._get_actor()
+        :data:`VIEW_TIMEOUT_S`, else on the local one (and for :data:`SLOW_BACKOFF_S` after a
+        timeout); the local tree records the choice either way."""
+        actor = self._get_actor() if self._clock() >= self._slow_until else None
         if actor is not None:
             # NOTE: the actor keys replicas by their plain ids (unpickling Serve's ReplicaID
             # there would import Serve into it, seconds on the first call).
@@ -116,7 +126,11 @@ class SharedPrefixTree:
             except asyncio.TimeoutError:
                 # NOTE: slow (starting, or busy), not gone: if it ranks late it records its own
                 # choice; this router's choice is recorded there too, below.
-                logger.debug("shared prefix tree %s did not answer in %s s; ranking locally", self.name, VIEW_TIMEOUT_S)
+                self._slow_until = self._clock() + SLOW_BACKOFF_S
+                logger.debug(
+                    "shared prefix tree %s did not answer in %s s; ranking locally for %s s",
+                    self.name, VIEW_TIMEOUT_S, SLOW_BACKOFF_S,
+                )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - gone: routing goes on from the local tree
                 logger.debug("shared prefix tree %s failed (%s); ranking from the local tree", self.name, exc)
                 self._actor = None

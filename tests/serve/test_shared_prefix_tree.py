@@ -14,7 +14,7 @@ from flotilla.cluster.engine.sampling_params import SamplingParams
 from flotilla.serve.prefix_tree import block_keys
 from flotilla.serve.router import CacheAwareRouter
 from flotilla.serve.routing_policy import Candidate
-from flotilla.serve.shared_prefix_tree import TREE_NAMESPACE, PrefixTreeService
+from flotilla.serve.shared_prefix_tree import SLOW_BACKOFF_S, TREE_NAMESPACE, PrefixTreeService, SharedPrefixTree
 from flotilla.serve.types import GenerateRequest, ReplicaLoad
 
 BLOCK = 4
@@ -95,3 +95,47 @@ def _alive(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+class _SlowActor:
+    """A tree actor that never answers a ranking (it records inserts); counts the rankings asked."""
+
+    def __init__(self):
+        import concurrent.futures
+
+        self.asked = 0
+        outer = self
+
+        class _Rank:
+            def remote(self, *args):
+                outer.asked += 1
+                never = concurrent.futures.Future()  # NOTE: one per call: a timed-out wait cancels it
+                return SimpleNamespace(future=lambda: never)
+
+        self.rank = _Rank()
+        self.insert = SimpleNamespace(remote=lambda *args: None)
+
+
+def test_a_slow_shared_tree_is_skipped_for_a_while_after_a_timeout():
+    now = [100.0]
+    tree = SharedPrefixTree(None, BLOCK, clock=lambda: now[0])
+    tree.name, tree._actor = "slow", _SlowActor()
+    candidates = [Candidate("a"), Candidate("b")]
+    policy = {"threshold": 0.5, "slack": 4, "factor": 2.0}
+    blocks = tree.blocks(PREAMBLE * 3)
+
+    def rank():
+        started = time.monotonic()
+        order = asyncio.run(tree.rank(blocks, candidates, policy))
+        return order, time.monotonic() - started
+
+    order, waited = rank()
+    assert order and tree._actor.asked == 1 and waited >= 0.2  # NOTE: it waited VIEW_TIMEOUT_S (0.25 s)
+    # Within the back-off no decision asks (or waits for) the slow tree.
+    now[0] += SLOW_BACKOFF_S - 0.1
+    order, waited = rank()
+    assert order and tree._actor.asked == 1 and waited < 0.2
+    # After it, the shared tree is asked again.
+    now[0] += 0.2
+    rank()
+    assert tree._actor.asked == 2
