@@ -78,6 +78,8 @@ ROUTING_STATS_TIMEOUT_S = 5.0
 # engine's message), not Serve's router queue.
 ONGOING_HEADROOM = 8
 INGRESS_NUM_CPUS = 0.25
+# Set to "0" in a replica's environment, Serve's replica pushes its own autoscaling metrics.
+REPLICA_PUSHES_METRICS_ENV = "RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE"
 # A stopping ingress replica outlives the engines' drain (--shutdown-timeout) by this much.
 INGRESS_SHUTDOWN_MARGIN_S = 5.0
 ENGINE_HEALTH_CHECK_PERIOD_S = 5.0
@@ -290,6 +292,12 @@ def engine_deployment_options(
         # run a CPU engine on one core; share this machine's cores among the replicas.
         threads = max(1, (os.cpu_count() or 1) // total_engine_replicas(options))
         actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+    if autoscaling is not None and "policy" in autoscaling:
+        # NOTE: Serve (2.60) takes a replica's record_autoscaling_stats, which a custom policy
+        # such as SLOPolicy reads, only from replicas that push their own metrics; by default
+        # the handles report the load and the replicas push nothing.
+        env = actor.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env[REPLICA_PUSHES_METRICS_ENV] = "0"
     # NOTE: an autoscaling pool's count is Serve's to set (Serve refuses both).
     count: dict[str, Any] = {"num_replicas": replicas} if autoscaling is None else {"autoscaling_config": autoscaling}
     return dict(

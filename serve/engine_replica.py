@@ -35,11 +35,13 @@ autoscaler's driver (:mod:`flotilla.serve.ep_autoscale_driver`) on its event loo
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
 import os
 import sys
+import time
 from typing import Any, AsyncIterator
 
 from flotilla.cluster.engine.kv_contract import PrefillTicket
@@ -57,12 +59,16 @@ from flotilla.serve.elastic_ep import (
     configure_elastic_log,
     not_elastic_message,
 )
+from flotilla.serve.ep_autoscale_driver import p90
 from flotilla.serve.metrics import POOLS, push_metrics_forever
 from flotilla.serve.plan import ranks_in_replica
 from flotilla.serve.types import GenerateChunk, GenerateRequest, ReplicaPin, ServeOptions, placement_group_of
 
 logger = logging.getLogger(__name__)
 
+# The latencies a replica reports to Serve's autoscaler are those of this many last seconds:
+# a first token is rare while long streams run, and a window without one must not read as calm.
+AUTOSCALING_STATS_WINDOW_S = 10.0
 # How often a colocated replica rebuilds its worker group after a rank failed (with back-off,
 # AsyncEngine.RESTART_BACKOFF_S) before its engine is dead and Serve replaces the replica.
 GANG_RESTART_ATTEMPTS = 3
@@ -126,6 +132,11 @@ class EngineReplica:
         kv = self.engine.engine.runner.kv
         self.kv_peer_id: str | None = kv.peer_id if kv.attached else None
         self._push_task: asyncio.Task | None = None
+        # Where record_autoscaling_stats's last read of the recent TTFTs and ITLs ended, and
+        # the (time, seconds) of those within its window.
+        self._ttft_cursor = self._itl_cursor = 0
+        self._recent_ttfts: collections.deque[tuple[float, float]] = collections.deque()
+        self._recent_itls: collections.deque[tuple[float, float]] = collections.deque()
         self.elastic: ElasticEPScaler | None = None
         self._autoscale: Any = None
         if hasattr(self.engine.engine.scheduler, "schedulers"):
@@ -257,6 +268,24 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """The replica's :class:`ReplicaLoad` as a plain dict (for the request router)."""
         return dataclasses.asdict(self.engine.load())
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler gets from this replica (custom metrics; Serve calls it every
+        ``metrics_interval_s`` when the pool autoscales): the p90 TTFT and ITL, in seconds, of
+        what the replica observed in the last :data:`AUTOSCALING_STATS_WINDOW_S` (0.0 when
+        nothing: an idle replica meets any SLO), and its ongoing requests. :class:`~flotilla.serve.slo_autoscaling.SLOPolicy`
+        reads them."""
+        metrics, now = self.engine.metrics, time.monotonic()
+        ttfts, self._ttft_cursor = metrics.ttfts_since(self._ttft_cursor)
+        itls, self._itl_cursor = metrics.itls_since(self._itl_cursor)
+        stats = {}
+        for name, window, new in (("ttft_p90_s", self._recent_ttfts, ttfts), ("itl_p90_s", self._recent_itls, itls)):
+            window.extend((now, value) for value in new)
+            while window and window[0][0] < now - AUTOSCALING_STATS_WINDOW_S:
+                window.popleft()
+            stats[name] = p90([value for _, value in window]) or 0.0
+        load = self.engine.load()
+        return {**stats, "ongoing": float(load.running + load.waiting)}
 
     async def check_health(self) -> None:
         """Raise when the engine is dead (Serve then restarts this replica); not while the

@@ -116,9 +116,9 @@ class EngineMetrics:
             "Seconds from a request's arrival to its first generated token.",
             _TTFT_BUCKETS,
         ))
-        self.inter_token_latency = histogram(
+        self.inter_token_latency = _Recent(histogram(
             "inter_token_latency_seconds", "Seconds between consecutive tokens of one completion.", _ITL_BUCKETS
-        )
+        ))  # fmt: skip
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Seconds from a request's arrival to its last token.", _E2E_BUCKETS
         )
@@ -199,6 +199,10 @@ class EngineMetrics:
         the requests whose first token came after the call that returned ``cursor`` (0:
         from the start), oldest first; only the last :data:`RECENT_TTFTS` are kept."""
         return self.time_to_first_token.since(cursor)
+
+    def itls_since(self, cursor: int = 0) -> tuple[list[float], int]:
+        """As :meth:`ttfts_since`, for the inter-token latencies (seconds)."""
+        return self.inter_token_latency.since(cursor)
 
     def enable_elastic_ep(self, ep_size: Callable[[], int]) -> "ElasticEPMetrics":
         """Add the elastic EP series to this registry (see :class:`ElasticEPMetrics`)."""

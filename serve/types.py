@@ -477,9 +477,11 @@ class ServeOptions:
         return dict(self.placement.get(group, {}))
 
     def autoscaling_for(self, group: str) -> dict[str, Any] | None:
-        """Serve's ``autoscaling_config`` of the pool ``group`` (see ``autoscaling``), or None."""
+        """Serve's ``autoscaling_config`` of the pool ``group`` (see ``autoscaling``), or None;
+        latency SLOs (``ttft_slo_s``, ``itl_slo_s``) become its ``policy``, the
+        :class:`~flotilla.serve.slo_autoscaling.SLOPolicy`."""
         config = self.autoscaling.get(group)
-        return None if config is None else dict(config)
+        return None if config is None else serve_autoscaling_config(config)
 
     def max_replicas_of(self, group: str) -> int:
         """The most replicas pool ``group`` runs: its ``max_replicas`` when it autoscales, else
@@ -522,6 +524,21 @@ def parse_autoscaling(values: Mapping[str, Any], as_flags: bool = False) -> dict
     return chosen
 
 
+# flotilla's own keys of a pool's autoscaling config: the latency SLOs SLOPolicy holds it to.
+SLO_KEYS = ("ttft_slo_s", "itl_slo_s")
+SLO_POLICY_PATH = "flotilla.serve.slo_autoscaling:SLOPolicy"
+
+
+def serve_autoscaling_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Serve's ``autoscaling_config`` for a pool's config: its :data:`SLO_KEYS`, when given,
+    become the ``policy`` (:class:`~flotilla.serve.slo_autoscaling.SLOPolicy` with them)."""
+    serve_config = {k: v for k, v in config.items() if k not in SLO_KEYS}
+    slos = {k: float(config[k]) for k in SLO_KEYS if k in config}
+    if slos:
+        serve_config["policy"] = {"policy_function": SLO_POLICY_PATH, "policy_kwargs": slos}
+    return serve_config
+
+
 def check_autoscaling(autoscaling: Any) -> None:
     """ValueError naming the flag and the value unless ``autoscaling`` maps pools of
     :data:`STRATEGY_POOLS` to Serve ``autoscaling_config`` mappings that Serve accepts and
@@ -536,7 +553,7 @@ def check_autoscaling(autoscaling: Any) -> None:
             raise ValueError(f"{flag} must be a Serve autoscaling_config mapping with max_replicas (got {config!r})")
         from ray.serve.config import AutoscalingConfig
 
-        known = set(getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__)
+        known = set(getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__) | set(SLO_KEYS)
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"{flag}: {', '.join(map(repr, unknown))} are not Serve autoscaling_config fields; choose from {', '.join(sorted(known))}")
@@ -545,8 +562,15 @@ def check_autoscaling(autoscaling: Any) -> None:
                 f"{flag}: min_replicas must be at least 1 (got {config.get('min_replicas')!r}): a pool scaled to zero "
                 "has nothing to answer /health or the first request with"
             )
+        slos = [key for key in SLO_KEYS if key in config]
+        if slos and "policy" in config:
+            raise ValueError(f"{flag}: {', '.join(slos)} set flotilla's SLO policy; drop policy, or the SLOs")
+        for key in slos:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{flag}: {key} must be a number of seconds > 0 (got {key}={value!r})")
         try:
-            AutoscalingConfig(**config)
+            AutoscalingConfig(**serve_autoscaling_config(config))
         except (TypeError, ValueError) as exc:
             detail = " ".join(str(exc).split())
             raise ValueError(f"{flag} is not a Serve autoscaling_config: {detail} (got {dict(config)!r})") from None

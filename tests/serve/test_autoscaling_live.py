@@ -20,10 +20,16 @@ SCALING = {
     "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
     "upscale_delay_s": 0.5, "downscale_delay_s": 8, "metrics_interval_s": 0.5, "look_back_period_s": 1,
 }  # fmt: skip
+SLO_APP = "flotilla-autoscaling-slo-test"
+# NOTE: a TTFT SLO no request meets (1 ms; a first token takes tens of ms here): the burst
+# breaches it, an idle replica reports 0 and is calm.
+SLO_SCALING = {
+    "min_replicas": 1, "max_replicas": 2, "ttft_slo_s": 0.001,
+    "upscale_delay_s": 0.5, "downscale_delay_s": 8, "metrics_interval_s": 0.5, "look_back_period_s": 1,
+}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def deployment(serve_http, tmp_path_factory):
+def _deploy(serve_http, tmp_path_factory, app: str, prefix: str, scaling: dict):
     from ray import serve
 
     from flotilla.cluster.platform import probe
@@ -35,20 +41,35 @@ def deployment(serve_http, tmp_path_factory):
     save_tiny_llama(path, vocab_size=VOCAB)
     save_word_tokenizer(path, VOCAB)
     config, model = resolve_pool({"model_path": str(path), "max_total_tokens": 8192}, probe())
-    options = serve_options(config, model=model, autoscaling={"engine": SCALING})
+    options = serve_options(config, model=model, autoscaling={"engine": scaling})
     deployment_options = engine_deployment_options(config, options)
-    assert "num_replicas" not in deployment_options and deployment_options["autoscaling_config"] == SCALING
-    serve.run(build_app(config, options), name=APP, route_prefix="/autoscaling")
-    url = f"{serve_http}/autoscaling"
+    assert "num_replicas" not in deployment_options and deployment_options["autoscaling_config"] == options.autoscaling_for("engine")
+    serve.run(build_app(config, options), name=app, route_prefix=prefix)
+    url = f"{serve_http}{prefix}"
     wait_until_healthy(url, 120)
-    yield SimpleNamespace(url=url, name=options.served_model_name)
+    return SimpleNamespace(url=url, name=options.served_model_name, app=app)
+
+
+@pytest.fixture
+def deployment(serve_http, tmp_path_factory):
+    from ray import serve
+
+    yield _deploy(serve_http, tmp_path_factory, APP, "/autoscaling", SCALING)
     serve.delete(APP)
 
 
-def _running_engine_replicas() -> int:
+@pytest.fixture
+def slo_deployment(serve_http, tmp_path_factory):
     from ray import serve
 
-    status = serve.status().applications[APP].deployments["engine"]
+    yield _deploy(serve_http, tmp_path_factory, SLO_APP, "/autoscaling-slo", SLO_SCALING)
+    serve.delete(SLO_APP)
+
+
+def _running_replicas(app: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[app].deployments["engine"]
     return int(status.replica_states.get("RUNNING", 0))
 
 
@@ -79,7 +100,16 @@ async def _burst(deployment, stop: threading.Event, concurrency: int = 6) -> int
     return finished
 
 
-def test_a_burst_adds_a_replica_and_idleness_removes_it_after_the_cooldown(deployment):
+@pytest.mark.parametrize("policy", ["ongoing-requests", "ttft-slo"])
+def test_a_burst_adds_a_replica_and_idleness_removes_it_after_the_cooldown(request, policy):
+    """Serve's default policy (target ongoing requests), and flotilla's SLO policy fed by the
+    replicas' record_autoscaling_stats."""
+    deployment = request.getfixturevalue("deployment" if policy == "ongoing-requests" else "slo_deployment")
+    scaling = SCALING if policy == "ongoing-requests" else SLO_SCALING
+
+    def _running_engine_replicas():
+        return _running_replicas(deployment.app)
+
     assert _running_engine_replicas() == 1
     stop = threading.Event()
     done: dict = {}
@@ -97,8 +127,8 @@ def test_a_burst_adds_a_replica_and_idleness_removes_it_after_the_cooldown(deplo
     waited = time.monotonic() - idle_since
     # Serve scales down only after the load stayed low for downscale_delay_s; its look-back
     # window (1 s) may read the load as low up to 1 s before the last request ended.
-    assert waited >= SCALING["downscale_delay_s"] - 1.0, f"scaled down after {waited:.1f} s of idleness"
-    print(f"autoscaling: 1 -> 2 under the burst; back to 1 after {waited:.1f} s idle (cooldown {SCALING['downscale_delay_s']} s)")
+    assert waited >= scaling["downscale_delay_s"] - 1.0, f"scaled down after {waited:.1f} s of idleness"
+    print(f"autoscaling ({policy}): 1 -> 2 under the burst; back to 1 after {waited:.1f} s idle (cooldown {scaling['downscale_delay_s']} s)")
     # The pool still serves.
     body = {"model": deployment.name, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{deployment.url}/v1/completions", json=body, timeout=60).status_code == 200
